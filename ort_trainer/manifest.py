@@ -1,0 +1,180 @@
+"""The bundle manifest: the one contract between the workstation (artifacts_gen) and the device.
+
+artifacts_gen writes it; the device validates it (ort_trainer.bundle) before anything runs.
+It is plain JSON, versioned by SCHEMA_VERSION. Only the standard library is used here so
+that both sides can import it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# Fixed file names inside a bundle.
+TRAINING_MODEL = "training_model.onnx"
+EVAL_MODEL = "eval_model.onnx"
+OPTIMIZER_MODEL = "optimizer_model.onnx"
+CHECKPOINT = "checkpoint"
+TOKENIZER_DIR = "tokenizer"
+CONFIG = "config.json"
+
+# Graph interface (both training and eval models take these inputs).
+INPUT_NAMES = ("input_ids", "attention_mask", "labels", "loss_scale")
+IGNORE_INDEX = -100
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the file and the problem."""
+
+
+@dataclass
+class ModelSummary:
+    family: str              # "gpt2" | "qwen2" | "gemma3"
+    architecture: str        # HF class name, e.g. "Qwen2ForCausalLM"
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+    tie_word_embeddings: bool
+    frozen_params: int       # number of frozen base-model parameters (elements)
+    source: str              # where the weights came from (path, or path + gguf file)
+
+
+@dataclass
+class LoraSpec:
+    r: int
+    alpha: float
+    dropout: float
+    targets: str             # what the user asked for: "attn", "all-linear" or a comma list
+    target_modules: list[str]  # PEFT's target_modules, exactly as passed to LoraConfig
+    fan_in_fan_out: bool     # GPT-2 Conv1D layers store weights as (in, out)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+@dataclass
+class Trainable:
+    onnx_name: str           # initializer name in the ONNX graphs and the ORT checkpoint
+    peft_key: str            # key in PEFT's adapter_model.safetensors
+    shape: list[int]         # shape of the ONNX tensor
+    transposed: bool         # ONNX tensor == PEFT tensor transposed (the exporter folds A^T, B^T)
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str               # numpy dtype name: "int64", "float32"
+    dims: list[Any]          # ints, or strings for symbolic dimensions
+
+
+@dataclass
+class LossSpec:
+    kind: str = "causal_lm_cross_entropy"
+    shift: bool = True
+    ignore_index: int = IGNORE_INDEX
+    reduction: str = "sum_times_loss_scale"
+    note: str = (
+        "loss = loss_scale * sum over positions t with labels[:, t+1] != -100 of "
+        "-log softmax(logits[:, t])[labels[:, t+1]]. With loss_scale = 1/count this is exactly "
+        "HF's labels loss; the trainer sets loss_scale = 1/(label tokens of the whole effective "
+        "batch) so that accumulated gradients equal one big batch's. The eval model also outputs "
+        "`logits` [N, vocab] at the N labelled positions, in row-major (batch, position) order."
+    )
+
+
+@dataclass
+class FileEntry:
+    path: str                # relative to the bundle directory
+    bytes: int
+    sha256: str
+    role: str                # training_model | eval_model | optimizer_model | checkpoint | shard | tokenizer | config
+
+
+@dataclass
+class Manifest:
+    family: str
+    model: ModelSummary
+    seq_len: int             # the default block length for data; graphs accept any length <= max_positions
+    traced_seq_len: int      # the length used when tracing (tests run other lengths too)
+    opset: int
+    lora: LoraSpec
+    trainable: list[Trainable]
+    inputs: list[TensorSpec]
+    train_outputs: list[str]
+    eval_outputs: list[str]
+    loss: LossSpec
+    special_tokens: dict[str, Any]   # bos/eos/pad token strings and ids, chat_template present?
+    files: list[FileEntry]
+    tools: dict[str, str]            # versions of what built the bundle
+    base_dropout_disabled: bool = True   # base-model dropouts are off (eval mode); LoRA dropout follows lora.dropout
+    schema_version: int = SCHEMA_VERSION
+    created_by: str = "pocketlora artifacts_gen"
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    def save(self, bundle_dir: str | Path) -> Path:
+        path = Path(bundle_dir) / MANIFEST_NAME
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = MANIFEST_NAME) -> "Manifest":
+        if not isinstance(data, dict):
+            raise ManifestError(f"{origin}: expected a JSON object at the top level")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(
+                f"{origin}: schema_version {version!r} is not supported by this trainer "
+                f"(it reads version {SCHEMA_VERSION}). Rebuild the bundle with the matching "
+                "`pocketlora gen`, or update the device package."
+            )
+        try:
+            kw = _take(cls, data, origin)
+            kw["model"] = ModelSummary(**_take(ModelSummary, data["model"], f"{origin}: model"))
+            kw["lora"] = LoraSpec(**_take(LoraSpec, data["lora"], f"{origin}: lora"))
+            kw["loss"] = LossSpec(**_take(LossSpec, data["loss"], f"{origin}: loss"))
+            kw["trainable"] = [Trainable(**_take(Trainable, t, f"{origin}: trainable")) for t in data["trainable"]]
+            kw["inputs"] = [TensorSpec(**_take(TensorSpec, t, f"{origin}: inputs")) for t in data["inputs"]]
+            kw["files"] = [FileEntry(**_take(FileEntry, f, f"{origin}: files")) for f in data["files"]]
+        except (TypeError, KeyError) as exc:
+            raise ManifestError(f"{origin}: malformed manifest ({exc}); rebuild the bundle") from exc
+        return cls(**kw)
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path) -> "Manifest":
+        path = Path(bundle_dir) / MANIFEST_NAME
+        if not path.is_file():
+            raise ManifestError(
+                f"{path}: no manifest. Is {bundle_dir} a bundle made by `pocketlora gen`?"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{path}: not valid JSON ({exc}); the bundle is damaged, rebuild it") from exc
+        return cls.from_dict(data, str(path))
+
+    # -- convenience ---------------------------------------------------------------------------
+    def files_with_role(self, role: str) -> list[FileEntry]:
+        return [f for f in self.files if f.role == role]
+
+    @property
+    def trainable_names(self) -> list[str]:
+        return [t.onnx_name for t in self.trainable]
+
+
+def _take(cls, data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """The known fields of `cls` from `data`; a missing required field is an error."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{origin}: expected an object, got {type(data).__name__}")
+    missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ManifestError(f"{origin}: missing field(s) {', '.join(missing)}; rebuild the bundle")
+    return {f.name: data[f.name] for f in fields(cls) if f.name in data}
