@@ -104,6 +104,7 @@ class Manifest:
     traced_seq_len: int      # the length used when tracing (tests run other lengths too)
     opset: int
     lora: LoraSpec
+    optimizer: dict[str, Any]        # ort_trainer.optimizer_graph.AdamWSpec baked into optimizer_model.onnx
     trainable: list[Trainable]
     inputs: list[TensorSpec]
     train_outputs: list[str]

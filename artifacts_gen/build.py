@@ -1,0 +1,296 @@
+"""Build a training bundle: checkpoint -> PEFT LoRA -> ONNX -> graph fixes -> shards -> ORT artifacts -> manifest.
+
+Everything is written into a hidden staging directory beside the output and renamed into
+place at the end, so a failed run leaves nothing behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ort_trainer import manifest as mf
+from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
+
+from . import graph_fixes
+from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
+from .shards import write_shards
+from .source import load_source, max_positions
+
+TRACE_LEN_MAX = 32   # the trace length: short, and deliberately not the bundle's seq-len
+
+
+class BundleExists(FileExistsError):
+    pass
+
+
+@dataclass
+class BuildResult:
+    manifest: mf.Manifest
+    out: Path
+    seconds: float
+    bundle_bytes: int
+    trainable_params: int
+
+    def summary(self) -> str:
+        m = self.manifest
+        return (
+            f"bundle {self.out}\n"
+            f"  family {m.family} ({m.model.architecture}), {m.model.num_layers} layers, "
+            f"hidden {m.model.hidden_size}, vocab {m.model.vocab_size}\n"
+            f"  trainable (LoRA r={m.lora.r}, {m.lora.targets}): {self.trainable_params:,} params "
+            f"in {len(m.trainable)} tensors; frozen: {m.model.frozen_params:,} params "
+            f"in {len(m.files_with_role('shard'))} shard file(s)\n"
+            f"  on disk {self.bundle_bytes / 2**20:.1f} MB, built in {self.seconds:.1f} s"
+        )
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise BundleExists(f"--out {out}: exists and is not a directory. Choose another --out.")
+    if not any(out.iterdir()):
+        return
+    if force:
+        return
+    if (out / mf.MANIFEST_NAME).is_file():
+        try:
+            old = mf.Manifest.load(out)
+            what = f"a {old.family} bundle built from {old.model.source}"
+        except mf.ManifestError:
+            what = "a bundle"
+        raise BundleExists(f"--out {out}: already holds {what}. Choose another --out, or pass --force to replace it.")
+    raise BundleExists(f"--out {out}: is not empty and is not a bundle. Choose an empty or new directory.")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _cwd(path: Path):
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("pocketlora", "torch", "transformers", "peft", "onnx", "onnxruntime-training-cpu", "optimum-onnx"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _source_tensors(peft_model) -> dict[str, np.ndarray]:
+    """HF key -> frozen weight, PEFT key -> LoRA placeholder; numpy views, no copies."""
+    out = {}
+    for name, p in peft_model.named_parameters():
+        arr = p.detach().numpy()
+        if "lora_" in name:
+            out[name.replace(".default", "")] = arr
+        else:
+            out[name.removeprefix("base_model.model.").replace(".base_layer", "")] = arr
+    return out
+
+
+def build_bundle(
+    model_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    lora: LoraSettings | None = None,
+    seq_len: int = 128,
+    shard_mb: int = 256,
+    force: bool = False,
+    log=print,
+) -> BuildResult:
+    lora = lora or LoraSettings()
+    out = Path(out).absolute()
+    t0 = time.time()
+    check_out_dir(out, force)
+    if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+        raise ValueError(f"LoRA settings r={lora.r} alpha={lora.alpha} dropout={lora.dropout}: need r >= 1, alpha > 0, 0 <= dropout < 1.")
+
+    log("[1/5] loading checkpoint")
+    src = load_source(model_path, gguf_file, seq_len)
+    fam, config = src.family, src.model.config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    stage.chmod(0o755)
+    try:
+        log(f"[2/5] exporting {fam.name} with LoRA r={lora.r} on {lora.targets} (opset {fam.opset})")
+        peft_model, peft_config = make_peft_model(src.model, fam, lora)
+        initial = lora_tensors(peft_model)            # PEFT's own init: A Kaiming-uniform, B zero
+        set_placeholders(peft_model, lora.seed)
+        traced_len = min(TRACE_LEN_MAX, max(8, seq_len // 2))
+        trace_dir = stage / "trace"
+        trace_dir.mkdir()
+        export_forward(CausalLMWithLoss(peft_model, fam), fam, trace_dir / "forward.onnx", traced_len)
+        forward = onnx.load(str(trace_dir / "forward.onnx"))
+
+        log("[3/5] graph checks and fixes")
+        naming = graph_fixes.name_initializers(forward, _source_tensors(peft_model))
+        untied = graph_fixes.untie_head(forward)
+        n_ln = graph_fixes.layernorm_stats(forward)
+        train = graph_fixes.trainables(naming, list(initial), forward)
+        graph_fixes.write_initial_lora(forward, train, initial)
+        frozen_params = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n)
+        log(f"      {len(naming.renamed)} weights named, {len(train)} LoRA tensors one-for-one with PEFT, "
+            f"tied head untied: {bool(untied)}, LayerNorm stats added: {n_ln}")
+
+        log("[4/5] writing shards and ORT training artifacts")
+        plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
+        del peft_model, src.model
+        shutil.rmtree(trace_dir)
+        _generate_artifacts(forward, stage, [t.onnx_name for t in train])
+        _check_artifacts(stage, plan.files)
+
+        log("[5/5] tokenizer, config and manifest")
+        src.tokenizer.save_pretrained(stage / mf.TOKENIZER_DIR)
+        config.to_json_file(stage / mf.CONFIG)
+        manifest = mf.Manifest(
+            family=fam.name,
+            model=mf.ModelSummary(
+                family=fam.name,
+                architecture=fam.architectures[0],
+                num_layers=int(config.num_hidden_layers),
+                hidden_size=int(config.hidden_size),
+                vocab_size=int(config.vocab_size),
+                max_positions=max_positions(fam, config),
+                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+                frozen_params=int(frozen_params),
+                source=src.description,
+            ),
+            seq_len=seq_len,
+            traced_seq_len=traced_len,
+            opset=fam.opset,
+            lora=mf.LoraSpec(
+                r=lora.r,
+                alpha=float(lora.alpha),
+                dropout=float(lora.dropout),
+                targets=lora.targets,
+                target_modules=sorted(peft_config.target_modules),
+                fan_in_fan_out=fam.fan_in_fan_out,
+            ),
+            trainable=train,
+            inputs=[
+                mf.TensorSpec("input_ids", "int64", ["batch", "seq"]),
+                mf.TensorSpec("attention_mask", "int64", ["batch", "seq"]),
+                mf.TensorSpec("labels", "int64", ["batch", "seq"]),
+                mf.TensorSpec("loss_scale", "float32", []),
+            ],
+            optimizer=AdamWSpec().to_dict(),
+            train_outputs=["loss"],
+            eval_outputs=["loss", "logits"],
+            loss=mf.LossSpec(),
+            special_tokens=_special_tokens(src.tokenizer),
+            files=_file_entries(stage),
+            tools=_versions(),
+        )
+        manifest.save(stage)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    total = sum(f.bytes for f in manifest.files)
+    return BuildResult(manifest, out, time.time() - t0, total, int(sum(np.prod(t.shape) for t in train)))
+
+
+def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str]) -> None:
+    """ORT builds training/eval/optimizer models; only the loss is a training output.
+
+    The frozen weights are neither requires_grad nor frozen_params, so they stay graph
+    initializers (pointing at the shards) and the checkpoint holds the LoRA tensors only.
+    """
+    import onnxruntime
+    from onnxruntime.training import artifacts
+
+    onnxruntime.set_default_logger_severity(3)
+    outputs = [o for o in forward.graph.output if o.name != "logits"]
+    logits = [o for o in forward.graph.output if o.name == "logits"]
+    del forward.graph.output[:]
+    forward.graph.output.extend(outputs)
+    with _cwd(stage):   # external data locations are relative to the staging directory
+        artifacts.generate_artifacts(
+            forward,
+            requires_grad=requires_grad,
+            frozen_params=[],
+            loss=None,
+            optimizer=None,
+            artifact_directory=".",
+        )
+    write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
+    eval_path = stage / mf.EVAL_MODEL
+    eval_model = onnx.load(str(eval_path), load_external_data=False)
+    eval_model.graph.output.extend(logits)
+    onnx.save(eval_model, str(eval_path))
+
+
+def _check_artifacts(stage: Path, shard_files: list[str]) -> None:
+    """Both graphs reference the shards for every large weight (no inlined base model), and ORT
+    loads the artifacts the way the device will. (onnx.checker cannot judge the training graph:
+    ORT's fusions add contrib ops such as SimplifiedLayerNormalization.)"""
+    for name in (mf.TRAINING_MODEL, mf.EVAL_MODEL):
+        model = onnx.load(str(stage / name), load_external_data=False)
+        inline = [i.name for i in model.graph.initializer
+                  if i.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(i.dims or [1])) * 4 > (1 << 20)]
+        if inline:
+            raise RuntimeError(f"{name}: {len(inline)} large initializers are inline, e.g. {inline[0]}")
+        missing = {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"} - set(shard_files)
+        if missing:
+            raise RuntimeError(f"{name}: external data points at unknown files {sorted(missing)}")
+    onnx.checker.check_model(str(stage / mf.EVAL_MODEL))
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    state = CheckpointState.load_checkpoint(str(stage / mf.CHECKPOINT))
+    module = Module(str(stage / mf.TRAINING_MODEL), state, str(stage / mf.EVAL_MODEL))
+    Optimizer(str(stage / mf.OPTIMIZER_MODEL), module)
+
+
+def _special_tokens(tok) -> dict:
+    out = {"chat_template": bool(getattr(tok, "chat_template", None))}
+    for kind in ("bos", "eos", "pad", "unk"):
+        token = getattr(tok, f"{kind}_token", None)
+        out[f"{kind}_token"] = token
+        out[f"{kind}_id"] = tok.convert_tokens_to_ids(token) if token is not None else None
+    return out
+
+
+ROLES = {
+    mf.TRAINING_MODEL: "training_model",
+    mf.EVAL_MODEL: "eval_model",
+    mf.OPTIMIZER_MODEL: "optimizer_model",
+    mf.CHECKPOINT: "checkpoint",
+    mf.CONFIG: "config",
+}
+
+
+def _file_entries(stage: Path) -> list[mf.FileEntry]:
+    entries = []
+    for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+        rel = path.relative_to(stage).as_posix()
+        role = ROLES.get(rel) or ("shard" if rel.startswith("weights-") else "tokenizer" if rel.startswith(mf.TOKENIZER_DIR + "/") else None)
+        if role is None:
+            raise RuntimeError(f"unexpected file in bundle: {rel}")
+        entries.append(mf.FileEntry(rel, path.stat().st_size, sha256_file(path), role))
+    return entries

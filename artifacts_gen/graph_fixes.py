@@ -1,0 +1,139 @@
+"""Fixes applied to the traced forward graph before ORT builds the training artifacts.
+
+1. name_initializers: the TorchScript exporter folds W^T of every nn.Linear into anonymous
+   initializers (onnx::MatMul_123). We find each one's source tensor by value (same bytes, or
+   transposed) and rename it to its HF / PEFT key, with ".T" when the graph holds the transpose.
+2. untie_head: with tied embeddings the exporter keeps the embedding for Gather *and* a folded
+   transposed copy for the LM head, doubling the largest tensor. The head's MatMul becomes
+   Gemm(h, E, transB=1) on the one embedding.
+3. layernorm_stats: ORT's LayerNormalization gradient needs the optional mean / inv_std outputs.
+4. write_initial_lora: the graph was traced with distinct placeholder LoRA values (see
+   export.set_placeholders); PEFT's real initial values go back in here.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ort_trainer.manifest import Trainable
+
+from .export import ExportError
+
+TRANSPOSED = ".T"
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest() + str(a.dtype) + str(a.shape)
+
+
+@dataclass
+class Naming:
+    renamed: dict[str, str]          # old ONNX name -> new name
+    aliases: dict[str, list[str]]    # new name -> other source keys with identical values
+    unmatched: list[str]             # initializers derived from weights or buffers (e.g. Gemma's 1+w)
+
+
+def name_initializers(model: onnx.ModelProto, sources: dict[str, np.ndarray]) -> Naming:
+    """Rename initializers after the source tensors (by key) whose values they hold."""
+    by_value: dict[str, list[tuple[str, bool]]] = {}
+    for key, arr in sources.items():
+        by_value.setdefault(_digest(arr), []).append((key, False))
+        if arr.ndim == 2:
+            by_value.setdefault(_digest(arr.T), []).append((key, True))
+
+    renamed, aliases, unmatched, taken = {}, {}, [], set()
+    for init in model.graph.initializer:
+        hits = by_value.get(_digest(numpy_helper.to_array(init)), [])
+        hits = [h for h in hits if h[0] + (TRANSPOSED if h[1] else "") not in taken]
+        if not hits:
+            if init.dims and int(np.prod(init.dims)) > 1:
+                unmatched.append(init.name)
+            continue
+        key, transposed = hits[0]
+        new = key + (TRANSPOSED if transposed else "")
+        taken.add(new)
+        renamed[init.name] = new
+        if len(hits) > 1:
+            aliases[new] = [k for k, _ in hits[1:]]
+    _rename(model, renamed)
+    return Naming(renamed, aliases, unmatched)
+
+
+def _rename(model: onnx.ModelProto, mapping: dict[str, str]) -> None:
+    for init in model.graph.initializer:
+        init.name = mapping.get(init.name, init.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in mapping:
+                node.input[i] = mapping[name]
+    for vi in model.graph.value_info:
+        vi.name = mapping.get(vi.name, vi.name)
+
+
+def untie_head(model: onnx.ModelProto) -> list[str]:
+    """MatMul(h, E.T) -> Gemm(h, E, transB=1) where E is also an initializer; drop E.T."""
+    inits = {i.name: i for i in model.graph.initializer}
+    fixed = []
+    for idx, node in enumerate(list(model.graph.node)):
+        if node.op_type != "MatMul" or not node.input[1].endswith(TRANSPOSED):
+            continue
+        base = node.input[1][: -len(TRANSPOSED)]
+        if base not in inits:
+            continue
+        gemm = helper.make_node("Gemm", [node.input[0], base], list(node.output), name=node.name + "_untied", transB=1)
+        model.graph.node.remove(node)
+        model.graph.node.insert(idx, gemm)
+        fixed.append(node.input[1])
+    still_used = {n for node in model.graph.node for n in node.input}
+    for name in fixed:
+        if name not in still_used:
+            model.graph.initializer.remove(inits[name])
+    if fixed:
+        _check_rank2(model, [n.input[0] for n in model.graph.node if n.name.endswith("_untied")])
+    return fixed
+
+
+def _check_rank2(model: onnx.ModelProto, names: list[str]) -> None:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in inferred.graph.value_info}
+    bad = [n for n in names if ranks.get(n, 2) != 2]
+    if bad:
+        raise ExportError(f"tied LM head input {bad} is not 2-D; cannot use Gemm(transB=1)")
+
+
+def layernorm_stats(model: onnx.ModelProto) -> int:
+    n = 0
+    for node in model.graph.node:
+        if node.op_type == "LayerNormalization" and len(node.output) == 1:
+            node.output.extend([node.output[0] + "_mean", node.output[0] + "_inv_std"])
+            n += 1
+    return n
+
+
+def trainables(naming: Naming, lora_keys: list[str], model: onnx.ModelProto) -> list[Trainable]:
+    """The trainable ONNX tensors, one for one with PEFT's LoRA keys (else the export tied layers)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    found: list[Trainable] = []
+    for key in lora_keys:
+        names = [n for n in (key, key + TRANSPOSED) if n in inits]
+        if len(names) != 1:
+            raise ExportError(
+                f"LoRA tensor {key} maps to {len(names)} graph initializers (expected exactly 1); "
+                "the exporter merged or dropped it"
+            )
+        name = names[0]
+        if name in naming.aliases:
+            raise ExportError(f"LoRA tensor {key} shares its initializer with {naming.aliases[name]}")
+        found.append(Trainable(name, key, list(inits[name].dims), name.endswith(TRANSPOSED)))
+    return found
+
+
+def write_initial_lora(model: onnx.ModelProto, train: list[Trainable], initial: dict[str, np.ndarray]) -> None:
+    inits = {i.name: i for i in model.graph.initializer}
+    for t in train:
+        value = initial[t.peft_key].T if t.transposed else initial[t.peft_key]
+        inits[t.onnx_name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.onnx_name))

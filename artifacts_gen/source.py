@@ -1,0 +1,101 @@
+"""Load a local Hugging Face checkpoint (safetensors directory, or a directory holding a GGUF file).
+
+Never touches a hub: every load passes local_files_only=True. Errors name the path, the problem
+and the fix, and are raised before any output is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .families import Family, family_for
+
+
+class SourceError(ValueError):
+    pass
+
+
+@dataclass
+class Source:
+    path: Path
+    gguf_file: str | None
+    family: Family
+    model: object          # transformers PreTrainedModel, float32, eval mode
+    tokenizer: object      # transformers PreTrainedTokenizerFast
+
+    @property
+    def description(self) -> str:
+        return f"{self.path}/{self.gguf_file}" if self.gguf_file else str(self.path)
+
+
+def _find_gguf(path: Path, gguf_file: str | None) -> str | None:
+    if gguf_file:
+        if not (path / gguf_file).is_file():
+            raise SourceError(f"{path}: no GGUF file named {gguf_file!r} there. Check --gguf-file.")
+        return gguf_file
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) > 1 and not (path / "config.json").is_file():
+        raise SourceError(f"{path}: holds several GGUF files ({', '.join(ggufs)}); pick one with --gguf-file.")
+    if ggufs and not (path / "config.json").is_file():
+        return ggufs[0]
+    return None
+
+
+def inspect_config(path: Path, gguf_file: str | None) -> tuple[Family, object]:
+    """The family and HF config of a checkpoint, read without loading weights."""
+    from transformers import AutoConfig
+
+    if gguf_file is None and not (path / "config.json").is_file():
+        raise SourceError(
+            f"{path}: no config.json. A Hugging Face checkpoint directory needs config.json next to "
+            "its *.safetensors (or pass a directory holding a .gguf file)."
+        )
+    if gguf_file is None:
+        raw = json.loads((path / "config.json").read_text())
+        family = family_for(raw.get("architectures"), raw.get("model_type"), str(path / "config.json"))
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+        family = family_for(getattr(config, "architectures", None), config.model_type, f"{path}/{gguf_file}")
+    return family, config
+
+
+def max_positions(family: Family, config) -> int:
+    return int(getattr(config, family.max_positions_key))
+
+
+def load_source(path: str | os.PathLike, gguf_file: str | None = None, seq_len: int | None = None) -> Source:
+    path = Path(path)
+    if not path.is_dir():
+        raise SourceError(f"{path}: not a directory. --model takes a local checkpoint directory.")
+    gguf_file = _find_gguf(path, gguf_file)
+    family, config = inspect_config(path, gguf_file)
+    if seq_len is not None and seq_len > max_positions(family, config):
+        raise SourceError(
+            f"--seq-len {seq_len} is above the model's {max_positions(family, config)} positions "
+            f"({family.max_positions_key} in the config). Use --seq-len {max_positions(family, config)} or less."
+        )
+    has_weights = gguf_file or any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if not has_weights:
+        raise SourceError(f"{path}: config.json but no weights (*.safetensors). Copy the weight files there.")
+    tok_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if gguf_file is None and not any((path / f).is_file() for f in tok_files):
+        raise SourceError(
+            f"{path}: no tokenizer files (tokenizer.json, or vocab.json + merges.txt). The device tokenizes "
+            "its own data, so the bundle needs them: copy the tokenizer files into the checkpoint directory."
+        )
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"local_files_only": True}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    if not getattr(tokenizer, "is_fast", False):
+        raise SourceError(f"{path}: only a slow tokenizer could be built; the device needs tokenizer.json (fast).")
+    return Source(path=path, gguf_file=gguf_file, family=family, model=model, tokenizer=tokenizer)
