@@ -127,7 +127,12 @@ def trace_inputs(vocab_size: int, seq_len: int, batch: int = 2):
 
 
 def export_forward(wrapper: CausalLMWithLoss, family: Family, out_path: Path, traced_seq_len: int) -> None:
-    vocab = wrapper.peft_model.base_model.model.config.vocab_size
+    base = wrapper.peft_model.base_model.model
+    vocab = base.config.vocab_size
+    # Eager attention masks with finfo.min, not -inf: a query row whose keys are all masked (padding
+    # beyond a sliding window) then gets a uniform softmax instead of NaN, which would otherwise
+    # reach the LoRA gradients through NaN * 0 in the backward pass. Same math as SDPA otherwise.
+    base.set_attn_implementation("eager")
     args = trace_inputs(vocab, traced_seq_len)
     dyn = {name: {0: "batch", 1: "seq"} for name in INPUT_NAMES[:3]}
     dyn["logits"] = {0: "labelled"}

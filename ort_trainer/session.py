@@ -1,0 +1,121 @@
+"""ONNX Runtime behind one small class: the training Module, the Optimizer, the CheckpointState,
+and a separate inference session for evaluation, created only when it is needed.
+
+Gradients accumulate in ORT's buffers across calls of `forward_backward` (ORT sums them; the
+loss_scale input makes the sum the mean over the effective batch) and are consumed by `step`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+from . import manifest as mf
+from .bundle import Bundle
+from .optimizer_graph import AdamWSpec, write_adamw
+
+MEMORY_MODES = ("normal", "low")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    threads: int = 0            # 0: ORT's default (one per physical core)
+    memory: str = "normal"      # "low": frozen weights stay file-backed (no prepacked copies, no arena)
+
+    def session_options(self) -> ort.SessionOptions:
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"--memory {self.memory!r}: use one of {', '.join(MEMORY_MODES)}")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if self.threads:
+            so.intra_op_num_threads = self.threads
+            so.inter_op_num_threads = 1
+        if self.memory == "low":
+            # Prepacking copies every MatMul weight to the heap; without it the memory-mapped
+            # external data is used in place, so the base model stays in the page cache.
+            so.add_session_config_entry("session.disable_prepacking", "1")
+            so.enable_cpu_mem_arena = False
+        return so
+
+
+def feeds(batch: dict[str, np.ndarray], loss_scale: float) -> list[np.ndarray]:
+    return [
+        np.ascontiguousarray(batch["input_ids"], dtype=np.int64),
+        np.ascontiguousarray(batch["attention_mask"], dtype=np.int64),
+        np.ascontiguousarray(batch["labels"], dtype=np.int64),
+        np.asarray(loss_scale, dtype=np.float32),
+    ]
+
+
+class TrainSession:
+    def __init__(
+        self,
+        bundle: Bundle,
+        checkpoint: str | Path | None = None,
+        adamw: AdamWSpec | None = None,
+        options: RuntimeOptions = RuntimeOptions(),
+        work_dir: str | Path | None = None,
+    ):
+        self.bundle = bundle
+        self.names = bundle.manifest.trainable_names
+        self.state = CheckpointState.load_checkpoint(str(checkpoint or bundle.file(mf.CHECKPOINT)))
+        self.module = Module(str(bundle.file(mf.TRAINING_MODEL)), self.state, None, "cpu", options.session_options())
+        optimizer_path = bundle.file(mf.OPTIMIZER_MODEL)
+        if adamw is not None and adamw.to_dict() != bundle.manifest.optimizer:
+            # The run asks for other hyperparameters than the bundle baked in: build its own graph.
+            optimizer_path = Path(work_dir or bundle.path) / "optimizer_model.run.onnx"
+            write_adamw(optimizer_path, adamw)
+        self.adamw = adamw or AdamWSpec(**bundle.manifest.optimizer)
+        self.optimizer = Optimizer(str(optimizer_path), self.module)
+        self.module.train()
+
+    # -- one micro-batch / one optimizer step -------------------------------------------------
+    def forward_backward(self, batch: dict[str, np.ndarray], loss_scale: float) -> float:
+        """Run forward and backward; gradients add into the accumulation buffers."""
+        return float(self.module(*feeds(batch, loss_scale)))
+
+    def grads(self) -> dict[str, np.ndarray]:
+        params = self.state.parameters
+        return {n: params[n].grad for n in self.names}
+
+    def grad_norm(self) -> float:
+        return float(np.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in self.grads().values())))
+
+    def step(self, lr: float) -> None:
+        """Clip, AdamW update (ORT's optimizer graph), then clear the accumulated gradients."""
+        self.optimizer.set_learning_rate(lr)
+        self.optimizer.step()
+        self.module.lazy_reset_grad()
+
+    # -- weights --------------------------------------------------------------------------------
+    def lora(self) -> dict[str, np.ndarray]:
+        params = self.state.parameters
+        return {n: params[n].data for n in self.names}
+
+    def set_lora(self, values: dict[str, np.ndarray]) -> None:
+        params = self.state.parameters
+        for n in self.names:
+            params[n].data = np.ascontiguousarray(values[n], dtype=np.float32)
+
+    def save(self, path: str | Path) -> None:
+        CheckpointState.save_checkpoint(self.state, os.fspath(path), include_optimizer_state=True)
+
+
+class EvalSession:
+    """The eval graph on plain ORT inference, with the LoRA weights fed as inputs."""
+
+    def __init__(self, bundle: Bundle, lora: dict[str, np.ndarray], options: RuntimeOptions = RuntimeOptions()):
+        self.session = ort.InferenceSession(
+            str(bundle.file(mf.EVAL_MODEL)), options.session_options(), providers=["CPUExecutionProvider"]
+        )
+        self.lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
+
+    def run(self, batch: dict[str, np.ndarray], loss_scale: float = 1.0) -> tuple[float, np.ndarray]:
+        """(loss_scale * summed NLL, logits [N, V] at the N labelled positions)."""
+        inputs = dict(zip(mf.INPUT_NAMES, feeds(batch, loss_scale)))
+        loss, logits = self.session.run(["loss", "logits"], {**inputs, **self.lora})
+        return float(loss), logits

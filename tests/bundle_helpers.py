@@ -1,0 +1,83 @@
+"""Test helpers: build tiny bundles once, and the independent PyTorch/PEFT side of each comparison."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ort_trainer.manifest import Manifest
+
+SEQ_LEN = 64          # bundles are built for 64; tests also run other lengths than the trace's
+
+
+def build_tiny_bundle(family: str, root: Path, targets: str = "attn", r: int = 4) -> tuple[Path, Path]:
+    from artifacts_gen.build import build_bundle
+    from artifacts_gen.export import LoraSettings
+    from tests.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(family, root / f"{family}-ckpt")
+    bundle = root / f"{family}-bundle"
+    build_bundle(ckpt, bundle, lora=LoraSettings(r=r, alpha=2.0 * r, targets=targets), seq_len=SEQ_LEN,
+                 shard_mb=64, log=lambda *_: None)
+    return ckpt, bundle
+
+
+def peft_reference(ckpt: Path, manifest: Manifest):
+    """A PEFT model built independently from the checkpoint and the manifest's LoRA config."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    cfg = LoraConfig(r=manifest.lora.r, lora_alpha=manifest.lora.alpha, lora_dropout=manifest.lora.dropout,
+                     target_modules=manifest.lora.target_modules, fan_in_fan_out=manifest.lora.fan_in_fan_out)
+    return get_peft_model(base, cfg).eval()
+
+
+def peft_lora_params(model) -> dict[str, torch.nn.Parameter]:
+    """PEFT state-dict key -> live parameter."""
+    return {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def random_lora(manifest: Manifest, seed: int) -> dict[str, np.ndarray]:
+    """Non-zero LoRA values (PEFT's B=0 would make A's gradient vanish), keyed by PEFT key, PEFT layout."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in manifest.trainable:
+        shape = t.shape[::-1] if t.transposed else t.shape
+        out[t.peft_key] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return out
+
+
+def to_onnx_layout(manifest: Manifest, by_peft_key: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {t.onnx_name: (by_peft_key[t.peft_key].T if t.transposed else by_peft_key[t.peft_key]).copy()
+            for t in manifest.trainable}
+
+
+def to_peft_layout(manifest: Manifest, by_onnx_name: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {t.peft_key: (by_onnx_name[t.onnx_name].T if t.transposed else by_onnx_name[t.onnx_name]).copy()
+            for t in manifest.trainable}
+
+
+def load_lora_into(model, values: dict[str, np.ndarray]) -> None:
+    params = peft_lora_params(model)
+    assert set(params) == set(values)
+    with torch.no_grad():
+        for k, v in values.items():
+            params[k].copy_(torch.from_numpy(v))
+
+
+def sample_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Right-padded rows of different lengths, some prompt tokens masked with -100."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (batch, seq), dtype=np.int64)
+    mask = np.ones((batch, seq), dtype=np.int64)
+    for b in range(1, batch):
+        mask[b, seq - (b * seq) // (batch + 1):] = 0
+    labels = np.where(mask == 1, ids, -100)
+    labels[0, : seq // 4] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def torch_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in batch.items()}

@@ -1,0 +1,178 @@
+"""artifacts_gen against an independent PyTorch/PEFT model, for every family (issue: artifacts_gen)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from ort_trainer import manifest as mf
+from ort_trainer.bundle import BundleError, open_bundle
+from ort_trainer.session import EvalSession, TrainSession
+from tests.bundle_helpers import (
+    build_tiny_bundle, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch,
+    to_onnx_layout, to_peft_layout, torch_batch,
+)
+from tests.tiny_models import FAMILIES
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def built(request, tmp_path_factory):
+    ckpt, path = build_tiny_bundle(request.param, tmp_path_factory.mktemp(request.param))
+    bundle = open_bundle(path)
+    return request.param, ckpt, bundle
+
+
+@pytest.mark.parametrize("seq", [20, 48])   # neither is the traced length (32)
+def test_eval_logits_and_loss_match_peft(built, seq):
+    family, ckpt, bundle = built
+    man = bundle.manifest
+    assert man.traced_seq_len not in (20, 48)
+    lora = random_lora(man, seed=1)
+    ref = peft_reference(ckpt, man)
+    load_lora_into(ref, lora)
+    batch = sample_batch(man.model.vocab_size, 3, seq)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+
+    loss, logits = EvalSession(bundle, to_onnx_layout(man, lora)).run(batch, loss_scale=1.0 / n)
+    with torch.no_grad():
+        out = ref(**torch_batch(batch))
+    keep = torch.from_numpy(batch["labels"][:, 1:] != -100)
+    ref_logits = out.logits[:, :-1][keep].numpy()
+    assert logits.shape == ref_logits.shape
+    assert np.abs(logits - ref_logits).max() <= 1e-4
+    assert abs(loss - out.loss.item()) / out.loss.item() <= 1e-5
+
+
+def test_lora_grads_match_autograd(built):
+    family, ckpt, bundle = built
+    man = bundle.manifest
+    lora = random_lora(man, seed=2)
+    batch = sample_batch(man.model.vocab_size, 2, 40, seed=3)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+
+    sess = TrainSession(bundle)
+    sess.set_lora(to_onnx_layout(man, lora))
+    sess.forward_backward(batch, 1.0 / n)
+    ort_grads = to_peft_layout(man, sess.grads())
+
+    ref = peft_reference(ckpt, man)
+    load_lora_into(ref, lora)
+    ref(**torch_batch(batch)).loss.backward()
+    for key, p in peft_lora_params(ref).items():
+        g = p.grad.numpy()
+        rel = np.linalg.norm(ort_grads[key] - g) / np.linalg.norm(g)
+        assert rel <= 1e-4, (key, rel)
+
+
+def test_ten_adamw_steps_match_torch(built):
+    family, ckpt, bundle = built
+    man = bundle.manifest
+    spec = man.optimizer
+    lora = random_lora(man, seed=4)
+    batches = [sample_batch(man.model.vocab_size, 2, 24, seed=10 + i) for i in range(10)]
+    lr = 1e-2
+
+    sess = TrainSession(bundle)
+    sess.set_lora(to_onnx_layout(man, lora))
+    for b in batches:
+        sess.forward_backward(b, 1.0 / int((b["labels"][:, 1:] != -100).sum()))
+        sess.step(lr)
+    ort_final = to_peft_layout(man, sess.lora())
+
+    ref = peft_reference(ckpt, man)
+    load_lora_into(ref, lora)
+    params = peft_lora_params(ref)
+    opt = torch.optim.AdamW(params.values(), lr=lr, betas=(spec["beta1"], spec["beta2"]), eps=spec["eps"],
+                            weight_decay=spec["weight_decay"])
+    for b in batches:
+        opt.zero_grad()
+        ref(**torch_batch(b)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), spec["clip"])
+        opt.step()
+    moved = max(np.abs(p.detach().numpy() - lora[k]).max() for k, p in params.items())
+    assert moved > 1e-3   # the comparison below is not vacuous
+    for key, p in params.items():
+        assert np.abs(ort_final[key] - p.detach().numpy()).max() <= 1e-5, key
+
+
+def test_checkpoint_is_peft_init_and_lora_only(built):
+    family, ckpt, bundle = built
+    man = bundle.manifest
+    sess = TrainSession(bundle)
+    assert sorted(sess.state.parameters[n].name for n in man.trainable_names) == sorted(man.trainable_names)
+    assert len(list(sess.state.parameters)) == len(man.trainable)
+    # PEFT, seeded as the generator was (--seed 0), gives the same initial tensors one for one.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    torch.manual_seed(0)
+    peft = get_peft_model(base, LoraConfig(r=man.lora.r, lora_alpha=man.lora.alpha, target_modules=man.lora.target_modules,
+                                           fan_in_fan_out=man.lora.fan_in_fan_out))
+    expected = {k: p.detach().numpy() for k, p in peft_lora_params(peft).items()}
+    got = to_peft_layout(man, sess.lora())
+    assert set(got) == set(expected) and len(got) == len(man.trainable)
+    for k in expected:
+        np.testing.assert_array_equal(got[k], expected[k])
+    # Distinct tensors: no two LoRA weights share storage or name (the exporter's dedup trap).
+    assert len({t.onnx_name for t in man.trainable}) == len(man.trainable)
+    ck = bundle.file(mf.CHECKPOINT).stat().st_size
+    lora_bytes = sum(int(np.prod(t.shape)) * 4 for t in man.trainable)
+    assert ck < 2 * lora_bytes + 64 * 1024
+
+
+def _external_tensors(bundle, name):
+    model = onnx.load(str(bundle.file(name)), load_external_data=False)
+    ext = {}
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in init.external_data}
+            ext[init.name] = (info["location"], int(info["offset"]), int(info["length"]))
+    onnx.load_external_data_for_model(model, str(bundle.path))
+    arrays = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name in ext}
+    return ext, arrays
+
+
+def test_shards_hold_every_frozen_weight_once(built):
+    family, ckpt, bundle = built
+    train_refs, _ = _external_tensors(bundle, mf.TRAINING_MODEL)
+    eval_refs, arrays = _external_tensors(bundle, mf.EVAL_MODEL)
+    # Training and eval graphs point at the same bytes.
+    assert train_refs == eval_refs
+    # No two stored tensors overlap.
+    spans = sorted(eval_refs.values())
+    for (f1, o1, l1), (f2, o2, l2) in zip(spans, spans[1:]):
+        assert f1 != f2 or o1 + l1 <= o2
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    stored = list(arrays.values())
+    for name, p in base.named_parameters():   # tied weights are listed once by named_parameters
+        w = p.detach().numpy()
+        forms = [w] + ([w.T] if w.ndim == 2 else []) + ([1.0 + w] if family == "gemma3" and "norm" in name else [])
+        hits = sum(1 for s in stored for f in forms if s.shape == f.shape and np.array_equal(s, f))
+        if w.size * 4 >= 1024:
+            assert hits == 1, (name, hits)
+    # Every stored tensor is some base weight (nothing else large, nothing twice).
+    assert len(stored) == sum(1 for _, p in base.named_parameters() if p.numel() * 4 >= 1024)
+    assert sum(f.bytes for f in bundle.manifest.files_with_role("shard")) >= sum(a.nbytes for a in stored)
+
+
+def test_manifest_hashes_verify_and_detect_damage(built, tmp_path):
+    family, ckpt, bundle = built
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle.path, copy)
+    open_bundle(copy)   # verifies every sha256
+    shard = copy / bundle.manifest.files_with_role("shard")[0].path
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="sha256"):
+        open_bundle(copy)
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(BundleError, match="bytes"):
+        open_bundle(copy, verify="sizes")
