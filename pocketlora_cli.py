@@ -36,6 +36,83 @@ def _add_gen(sub) -> None:
     p.set_defaults(func=_gen)
 
 
+def _train(args) -> None:
+    from dataclasses import asdict
+
+    from android_runner.gate import GateConfig
+    from android_runner.loop import RunConfig, train
+
+    gate = GateConfig(slow_below=args.slow_below, slow_factor=args.slow_factor, pause_below=args.pause_below,
+                      resume_above=args.resume_above, max_temp=args.max_temp)
+    cfg = RunConfig(
+        bundle=str(args.bundle), data=str(args.data), epochs=args.epochs, max_steps=args.max_steps,
+        micro_batch=args.micro_batch, accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
+        clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
+        save_every=args.save_every, battery=args.battery, gate=asdict(gate), threads=args.threads, memory=args.memory,
+    )
+    train(cfg, args.out)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="device: train a bundle's LoRA on local data (running it again resumes)")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--data", required=True, help=".txt (packed into seq-len blocks), .jsonl or .json (instruction/chat records)")
+    p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, summary)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--epochs", type=int)
+    steps.add_argument("--max-steps", type=int)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accum", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--clip", type=float, default=1.0, help="max global grad norm; 0 disables")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="data order")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--battery", default="auto", help="auto|android-sysfs|dumpsys|termux|linux|replay:TRACE.csv|none")
+    p.add_argument("--slow-below", type=float, default=60.0)
+    p.add_argument("--slow-factor", type=float, default=0.5)
+    p.add_argument("--pause-below", type=float, default=15.0)
+    p.add_argument("--resume-above", type=float, default=30.0)
+    p.add_argument("--max-temp", type=float, default=42.0)
+    p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT default)")
+    p.add_argument("--memory", default="normal", choices=["normal", "low"],
+                   help="low: frozen weights stay memory-mapped (no prepacked copies)")
+    p.set_defaults(func=_train)
+
+
+def _export(args) -> None:
+    from android_runner.loop import RUN_CONFIG
+    from ort_trainer import checkpoint
+    from ort_trainer.bundle import open_bundle
+    from ort_trainer.export import export_onnx, export_peft, load_lora
+
+    import json
+    from pathlib import Path
+
+    run = Path(args.run)
+    if not (run / RUN_CONFIG).is_file():
+        raise FileNotFoundError(f"{run}: not a training run (no {RUN_CONFIG}). Pass the --out of `pocketlora train`.")
+    bundle = open_bundle(json.loads((run / RUN_CONFIG).read_text())["bundle"], verify="sizes")
+    found = checkpoint.latest(run)
+    if found is None:
+        raise FileNotFoundError(f"{run}: no checkpoint yet; train at least one step (or --save-every) first.")
+    lora = load_lora(found[0] / checkpoint.ORT_FILE, bundle.manifest)
+    if args.peft:
+        print(f"PEFT adapter (step {found[1]['step']}): {export_peft(bundle.manifest, lora, args.peft)}")
+    if args.onnx:
+        print(f"ONNX model with the adapter baked in (step {found[1]['step']}): {export_onnx(bundle, lora, args.onnx)}")
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="device: write the trained adapter as a PEFT directory and/or one ONNX model")
+    p.add_argument("--run", required=True)
+    p.add_argument("--peft", help="output directory: adapter_config.json + adapter_model.safetensors")
+    p.add_argument("--onnx", help="output .onnx for plain onnxruntime (weights beside it in .onnx.data)")
+    p.set_defaults(func=_export)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already names the problem and the fix."""
     errors: list[type[BaseException]] = [FileExistsError, FileNotFoundError]
@@ -54,7 +131,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     try:
         from ort_trainer.data import DataError
 
-        errors.append(DataError)
+        from android_runner.loop import RunError
+
+        errors += [DataError, RunError]
     except ImportError:
         pass
     return tuple(errors)
@@ -64,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pocketlora", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     _add_gen(sub)
+    _add_train(sub)
+    _add_export(sub)
     return parser
 
 

@@ -114,7 +114,7 @@ def load_source(path: str | os.PathLike, gguf_file: str | None = None, seq_len: 
     kw = {"local_files_only": True}
     if gguf_file:
         kw["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     if not getattr(tokenizer, "is_fast", False):

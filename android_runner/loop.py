@@ -1,0 +1,215 @@
+"""The on-device run: resume, gate, step, log, checkpoint, signals. Read it top to bottom.
+
+Running the same command again on an existing RUN resumes from its last good checkpoint with
+the same data order; the settings that define the training (data, seed, batch, schedule, ...)
+are fixed by the first start and a different value on the command line is refused.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ort_trainer import checkpoint
+from ort_trainer.bundle import open_bundle
+from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples
+from ort_trainer.optimizer_graph import AdamWSpec
+from ort_trainer.schedule import SCHEDULES, lr_at
+from ort_trainer.session import RuntimeOptions, TrainSession
+from ort_trainer.step import train_step
+
+from .gate import GateConfig, GateState, GateTracker
+from .metrics import EnergyMeter, MetricsLog, peak_rss_mb, rss_mb
+from .probes import SafeProbe, make_probe
+
+RUN_CONFIG = "run.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+class RunError(ValueError):
+    pass
+
+
+@dataclass
+class RunConfig:
+    bundle: str
+    data: str
+    epochs: int | None = None
+    max_steps: int | None = None
+    micro_batch: int = 1
+    accum: int = 8
+    lr: float = 2e-4
+    warmup: int = 10
+    schedule: str = "cosine"
+    clip: float | None = 1.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    save_every: int = 50
+    # Not part of the training's definition: may change between resumes.
+    battery: str = "auto"
+    gate: dict = field(default_factory=lambda: asdict(GateConfig()))
+    threads: int = 0
+    memory: str = "normal"
+
+    FIXED = ("bundle", "data", "epochs", "max_steps", "micro_batch", "accum", "lr", "warmup", "schedule",
+             "clip", "weight_decay", "seed")
+
+    def validate(self) -> None:
+        if (self.epochs is None) == (self.max_steps is None):
+            raise RunError("give exactly one of --epochs N or --max-steps N")
+        for name in ("micro_batch", "accum", "save_every"):
+            if getattr(self, name) < 1:
+                raise RunError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise RunError(f"--schedule {self.schedule}: use one of {', '.join(SCHEDULES)}")
+        if self.lr <= 0:
+            raise RunError("--lr must be > 0")
+        GateConfig(**self.gate).validate()
+
+
+def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
+    """First start: record the config. Later: the recorded training settings win; conflicts are errors."""
+    path = run_dir / RUN_CONFIG
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(cfg), indent=1))
+        return cfg, False
+    saved = json.loads(path.read_text())
+    for name in RunConfig.FIXED:
+        if getattr(cfg, name) != saved.get(name):
+            raise RunError(
+                f"{run_dir} was started with {name}={saved.get(name)!r}, not {getattr(cfg, name)!r}. "
+                f"To resume, repeat the original settings; to change them, train into a new --out."
+            )
+    return cfg, True
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop finishes its micro-batch, checkpoints and exits 0."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signal_name = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+    def __call__(self) -> bool:
+        return self.event.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        self.event.wait(seconds)
+
+
+def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None = None) -> dict:
+    run_dir = Path(run_dir)
+    cfg.validate()
+    cfg, resuming = _settle_config(run_dir, cfg)
+
+    # -- bundle, data, session ---------------------------------------------------------------
+    bundle = open_bundle(cfg.bundle, verify="sizes" if resuming else "hashes")
+    man = bundle.manifest
+    tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
+    examples, report = load_examples(cfg.data, tok, man.seq_len)
+    log(report.summary())
+    order = DataOrder(len(examples), cfg.seed, cfg.micro_batch)
+    steps_per_epoch = max(1, order.steps_per_epoch() // cfg.accum)
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+
+    found = checkpoint.latest(run_dir, warn=log)
+    step = 0
+    if found:
+        path, state = found
+        step = state["step"]
+        order.load_state_dict(state["data"])
+        log(f"resuming {run_dir} at step {step}/{total} from {path.name}")
+    adamw = AdamWSpec(**{**man.optimizer, "clip": cfg.clip, "weight_decay": cfg.weight_decay})
+    session = TrainSession(bundle, found[0] / checkpoint.ORT_FILE if found else None, adamw,
+                           RuntimeOptions(cfg.threads, cfg.memory), work_dir=run_dir)
+    metrics = MetricsLog(run_dir / METRICS, keep_through_step=step)
+
+    # -- gate and signals ----------------------------------------------------------------------
+    probe = SafeProbe(make_probe(cfg.battery, log=log), warn=log)
+    log(f"battery probe: {getattr(probe.inner, 'chosen_because', probe.inner.name)}")
+    tracker = GateTracker(GateConfig(**cfg.gate))
+    energy = EnergyMeter()
+    stop = StopFlag()
+    stop.install()
+
+    def save(reason: str) -> None:
+        checkpoint.save(run_dir, session, {"step": step, "total_steps": total, "data": order.state_dict(),
+                                           "seed": cfg.seed, "reason": reason})
+
+    bar = None
+    if progress if progress is not None else sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, unit="step", desc="training")
+    t_start, last_step_s, saved_at, tokens_total = time.time(), 0.0, step, 0
+    while step < total and not stop():
+        reading = probe.read()
+        energy.add(reading, time.time())
+        decision = tracker.update(reading, last_step_s)
+        if decision.changed:
+            log(f"gate: {decision.state.value} ({decision.reason})")
+        if not decision.run_step:                    # paused or cooling: keep the work safe, then wait
+            if saved_at != step:
+                save(f"gate {decision.state.value}")
+                saved_at = step
+            stop.sleep(decision.sleep_s)
+            continue
+
+        position = order.state_dict()
+        micro = [collate([examples[i] for i in order.next_batch()[0]], tok.pad_id) for _ in range(cfg.accum)]
+        lr = lr_at(step, cfg.lr, cfg.warmup, total, cfg.schedule)
+        result = train_step(session, micro, lr, should_stop=stop)
+        if result is None:                           # signal mid-step: that step runs again on resume
+            order.load_state_dict(position)
+            break
+        step += 1
+        last_step_s, tokens_total = result.seconds, tokens_total + result.tokens
+        metrics.write({
+            "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+            "tokens": result.tokens, "label_tokens": result.label_tokens,
+            "step_s": round(result.seconds, 4), "tokens_per_s": round(result.tokens / result.seconds, 1),
+            "rss_mb": round(rss_mb(), 1), "battery_percent": reading.percent, "charging": reading.charging,
+            "temp_c": reading.temp_c, "gate": decision.state.value, "time": round(time.time(), 3),
+        })
+        if bar:
+            bar.set_postfix(loss=f"{result.loss:.4f}", gate=decision.state.value)
+            bar.update(1)
+        if step % cfg.save_every == 0 or step == total:
+            save("periodic" if step < total else "final")
+            saved_at = step
+        if decision.state is GateState.SLOW and decision.sleep_s > 0:
+            stop.sleep(decision.sleep_s)
+
+    if saved_at != step:
+        save(f"signal {stop.signal_name}" if stop() else "final")
+    if bar:
+        bar.close()
+    metrics.close()
+    tracker.finish()
+    wall = time.time() - t_start
+    summary = {
+        "run": str(run_dir), "bundle": cfg.bundle, "data": cfg.data, "finished": step >= total,
+        "stopped_by": stop.signal_name, "step": step, "total_steps": total,
+        "wall_s": round(wall, 2), "tokens_this_session": tokens_total,
+        "tokens_per_s": round(tokens_total / wall, 1) if wall > 0 else None,
+        "peak_rss_mb": round(peak_rss_mb(), 1), "gate": tracker.summary(), **energy.summary(wall),
+        "data_report": asdict(report),
+    }
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1, default=str))
+    log(f"{'finished' if summary['finished'] else 'stopped'} at step {step}/{total} in {wall:.1f} s; "
+        f"summary in {run_dir / SUMMARY}")
+    return summary

@@ -1,0 +1,104 @@
+"""What a run reports: one JSON line per optimizer step, and an end-of-run summary.
+
+Energy: where the battery exposes current and voltage (or energy_now), the energy drawn while
+discharging is integrated from the readings and reported as measured. Otherwise, and while on
+the charger (the battery then shows the charge current, not the load), it is estimated from CPU
+time at ESTIMATE_WATTS_PER_CORE and labelled as an estimate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ESTIMATE_WATTS_PER_CORE = 1.5   # a phone big core under sustained load, roughly; only for the labelled estimate
+
+
+def rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class MetricsLog:
+    """RUN/metrics.jsonl. On resume, lines past the checkpoint's step are dropped: those steps run again."""
+
+    def __init__(self, path: Path, keep_through_step: int):
+        self.path = Path(path)
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and _step_of(line) is not None and _step_of(line) <= keep_through_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        self._f = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None   # a line torn by a kill
+
+
+@dataclass
+class EnergyMeter:
+    measured_j: float = 0.0
+    measured_s: float = 0.0
+    first_percent: float | None = None
+    last_percent: float | None = None
+    _last: tuple | None = field(default=None, repr=False)
+    _cpu0: float = field(default_factory=time.process_time, repr=False)
+
+    def add(self, reading, now: float) -> None:
+        if reading.percent is not None:
+            if self.first_percent is None:
+                self.first_percent = reading.percent
+            self.last_percent = reading.percent
+        power = None
+        if reading.charging is False and reading.current_a is not None and reading.voltage_v is not None:
+            power = abs(reading.current_a * reading.voltage_v)
+        energy_wh = reading.energy_wh if reading.charging is False else None
+        if self._last is not None:
+            t0, p0, e0 = self._last
+            dt = now - t0
+            if e0 is not None and energy_wh is not None and e0 >= energy_wh:
+                self.measured_j += (e0 - energy_wh) * 3600.0
+                self.measured_s += dt
+            elif p0 is not None and power is not None:
+                self.measured_j += 0.5 * (p0 + power) * dt
+                self.measured_s += dt
+        self._last = (now, power, energy_wh)
+
+    def summary(self, wall_s: float) -> dict:
+        cpu_s = time.process_time() - self._cpu0
+        out = {
+            "battery_percent_start": self.first_percent,
+            "battery_percent_end": self.last_percent,
+            "battery_percent_used": (None if self.first_percent is None or self.last_percent is None
+                                     else round(self.first_percent - self.last_percent, 2)),
+            "cpu_seconds": round(cpu_s, 2),
+            "energy_estimate_j": round(cpu_s * ESTIMATE_WATTS_PER_CORE, 1),
+            "energy_estimate_basis": f"CPU seconds x {ESTIMATE_WATTS_PER_CORE} W per busy core (an estimate, not a measurement)",
+        }
+        if self.measured_s > 0:
+            out["energy_measured_j"] = round(self.measured_j, 1)
+            out["energy_measured_over_s"] = round(self.measured_s, 1)
+            out["energy_measured_basis"] = "battery current x voltage (or energy_now) integrated while discharging"
+        return out
