@@ -25,7 +25,7 @@ from .bundle import Bundle
 
 def load_lora(checkpoint: str | Path, manifest: mf.Manifest) -> dict[str, np.ndarray]:
     """ONNX name -> trained tensor, read from an ORT checkpoint (no session needed)."""
-    from onnxruntime.training.api import CheckpointState
+    from .ort_training import CheckpointState
 
     params = CheckpointState.load_checkpoint(str(checkpoint)).parameters
     return {n: params[n].data for n in manifest.trainable_names}

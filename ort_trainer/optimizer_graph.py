@@ -28,7 +28,9 @@ class AdamWSpec:
 
 
 def build_adamw(spec: AdamWSpec) -> onnx.ModelProto:
-    from onnxruntime.training import onnxblock
+    from .ort_training import onnxblock as _onnxblock
+
+    onnxblock = _onnxblock()
 
     placeholder = onnx.helper.make_tensor("p", onnx.TensorProto.FLOAT, [1], [0.0])
     block = onnxblock.optim.AdamW(

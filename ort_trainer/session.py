@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime.training.api import CheckpointState, Module, Optimizer
+from .ort_training import CheckpointState, Module, Optimizer
 
 from . import manifest as mf
 from .bundle import Bundle

@@ -1,0 +1,50 @@
+"""Adapters out of the device: PEFT directory and standalone ONNX, each checked against ORT's eval logits."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from ort_trainer.bundle import open_bundle
+from ort_trainer.export import export_onnx, export_peft
+from ort_trainer.session import EvalSession
+from tests.bundle_helpers import build_tiny_bundle, random_lora, sample_batch, to_onnx_layout, torch_batch
+from tests.tiny_models import FAMILIES
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request, tmp_path_factory):
+    """A bundle plus 'trained' LoRA values (random, non-zero B) in ONNX layout."""
+    root = tmp_path_factory.mktemp(request.param)
+    ckpt, path = build_tiny_bundle(request.param, root)
+    bundle = open_bundle(path)
+    lora = to_onnx_layout(bundle.manifest, random_lora(bundle.manifest, seed=5))
+    batch = sample_batch(bundle.manifest.model.vocab_size, 2, 30, seed=6)
+    loss, logits = EvalSession(bundle, lora).run(batch)
+    return ckpt, bundle, lora, batch, logits, root
+
+
+def test_peft_directory_loads_and_reproduces_ort_logits(trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt, bundle, lora, batch, ort_logits, root = trained
+    out = export_peft(bundle.manifest, lora, root / "peft")
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in torch_batch(batch).items() if k != "labels"}).logits
+    keep = torch.from_numpy(batch["labels"][:, 1:] != -100)
+    assert np.abs(logits[:, :-1][keep].numpy() - ort_logits).max() <= 1e-4
+
+
+def test_standalone_onnx_runs_on_plain_inference_session(trained):
+    ckpt, bundle, lora, batch, ort_logits, root = trained
+    path = export_onnx(bundle, lora, root / "merged" / "model.onnx")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert {i.name for i in sess.get_inputs()} == {"input_ids", "attention_mask", "labels", "loss_scale"}
+    _, logits = sess.run(["loss", "logits"], {**batch, "loss_scale": np.array(1.0, dtype=np.float32)})
+    assert np.abs(logits - ort_logits).max() <= 1e-4
+    # self-contained: it does not read the bundle's shards
+    assert not any(p.name.startswith("weights-") for p in path.parent.iterdir())
