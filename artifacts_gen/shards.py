@@ -24,6 +24,7 @@ class ShardPlan:
     files: list[str]
     tensors: int
     bytes: int
+    oversize: list[str]      # tensors larger than --shard-mb, each alone in its shard
 
 
 def _raw(init: TensorProto) -> bytes:
@@ -43,19 +44,15 @@ def write_shards(model: onnx.ModelProto, out_dir: Path, keep_inline: set[str], s
     """Externalize every initializer of >= MIN_EXTERNAL_BYTES not in `keep_inline`, in graph order."""
     limit = shard_mb * 1024 * 1024
     chosen = [i for i in model.graph.initializer if i.name not in keep_inline and _nbytes(i) >= MIN_EXTERNAL_BYTES]
-    too_big = [i.name for i in chosen if _nbytes(i) > limit]
-    if too_big:
-        biggest = max(_nbytes(i) for i in chosen)
-        raise ValueError(
-            f"--shard-mb {shard_mb}: tensor {too_big[0]} alone is {biggest / 2**20:.1f} MB. "
-            f"Use --shard-mb {int(biggest / 2**20) + 1} or more."
-        )
+    oversize = [i.name for i in chosen if _nbytes(i) > limit]
     # Plan: fill shards in order, so a tensor never straddles two files.
+    # ONNX external data cannot split one tensor across files: a tensor larger than the limit
+    # gets a shard of its own (reported in ShardPlan.oversize).
     groups: list[list[TensorProto]] = [[]]
     size = 0
     for init in chosen:
         n = _nbytes(init)
-        if groups[-1] and _align(size, n) + n > limit:
+        if groups[-1] and (_align(size, n) + n > limit or n > limit):
             groups.append([])
             size = 0
         groups[-1].append(init)
@@ -74,7 +71,7 @@ def write_shards(model: onnx.ModelProto, out_dir: Path, keep_inline: set[str], s
                     offset = start + len(data)
                     _point_to(init, name, start, len(data))
                     bar.update(len(data))
-    return ShardPlan(files=names if chosen else [], tensors=len(chosen), bytes=total)
+    return ShardPlan(files=names if chosen else [], tensors=len(chosen), bytes=total, oversize=oversize)
 
 
 def _point_to(init: TensorProto, location: str, offset: int, length: int) -> None:

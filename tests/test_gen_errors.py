@@ -55,10 +55,26 @@ def test_unknown_target_module(gpt2_ckpt, tmp_path, capsys):
     _nothing_left(tmp_path, tmp_path / "b")
 
 
-def test_failure_after_export_leaves_nothing(gpt2_ckpt, tmp_path, capsys):
-    code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "b", "--shard-mb", 1)
-    assert code == 2 and "Use --shard-mb" in err
+def test_failure_late_in_the_build_leaves_nothing(gpt2_ckpt, tmp_path, monkeypatch):
+    import artifacts_gen.build as build
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure after export and shards")
+
+    monkeypatch.setattr(build, "_generate_artifacts", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        main(["gen", "--model", str(gpt2_ckpt), "--out", str(tmp_path / "b")])
     _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_tensor_above_shard_size_gets_its_own_shard(gpt2_ckpt, tmp_path, capsys):
+    import json
+
+    assert _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "b", "--shard-mb", 1)[0] == 0
+    files = json.loads((tmp_path / "b" / "manifest.json").read_text())["files"]
+    shards = [f for f in files if f["role"] == "shard"]
+    assert len(shards) > 1
+    assert sum(f["bytes"] > 2**20 for f in shards) == 1     # only the 12 MB embedding's own shard is over
 
 
 def test_out_holding_another_bundle_is_refused_and_kept(gpt2_ckpt, tmp_path, capsys):
