@@ -159,7 +159,7 @@ def build_bundle(
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
         if plan.oversize:
-            log(f"      note: {', '.join(plan.oversize)} exceed --shard-mb {shard_mb}; ONNX external data cannot "
+            log(f"      note: {', '.join(plan.oversize)} exceed(s) --shard-mb {shard_mb}; ONNX external data cannot "
                 "split a tensor, so each is stored alone in its own shard file")
         del peft_model, src.model
         shutil.rmtree(trace_dir)

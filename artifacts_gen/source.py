@@ -116,7 +116,13 @@ def load_source(path: str | os.PathLike, gguf_file: str | None = None, seq_len: 
         kw["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    tokenizer = None
+    if gguf_file:
+        from .gguf_tokenizer import build_fast_tokenizer, read_spm_vocab
+
+        vocab = read_spm_vocab(path / gguf_file)    # SentencePiece-BPE vocabularies (Gemma): see gguf_tokenizer
+        tokenizer = build_fast_tokenizer(vocab) if vocab else None
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, **kw)
     if not getattr(tokenizer, "is_fast", False):
         raise SourceError(f"{path}: only a slow tokenizer could be built; the device needs tokenizer.json (fast).")
     return Source(path=path, gguf_file=gguf_file, family=family, model=model, tokenizer=tokenizer)
