@@ -23,8 +23,11 @@ Data formats (:func:`load_examples`)
     GPT-2 or Qwen) is put once at the very start. The token stream is cut into consecutive,
     non-overlapping blocks of exactly ``seq_len`` tokens; the tail shorter than ``seq_len`` is
     dropped (``dropped`` = 1, ``dropped_tokens`` = its length, and a warning). ``labels == input_ids``.
-    Chunking is by whole lines (newlines kept), as HF ``run_clm`` tokenizes line by line; for
-    byte-level BPE tokenizers (GPT-2, Qwen) the result equals tokenizing the whole file at once.
+    The chunks (tokenized in parallel with ``encode_batch``) are cut between whole lines, each cut
+    moved to a nearby line where tokenizing the surrounding lines in one piece gives the same ids
+    as tokenizing the two sides apart; so the result equals tokenizing the whole file at once
+    (checked on WikiText-2 with GPT-2 and Qwen2.5). If no such line is found within
+    :data:`TEXT_SEAM_SEARCH` lines the cut stays and a warning says so.
 
 ``.jsonl`` (one JSON object per line; blank lines are skipped) or ``.json`` (a JSON list of objects)
     Every record of a file is of one kind:
@@ -96,6 +99,9 @@ import tokenizers
 
 IGNORE_INDEX = -100
 TEXT_CHUNK_LINES = 1000
+TEXT_SEAM_PROBE = 4      # lines on each side of a cut checked for cross-line merges
+TEXT_SEAM_SEARCH = 32    # lines after a nominal cut searched for a safe one
+TEXT_SEAM_MAX_WIDEN = 256  # max lines a probe widens over whitespace-only lines
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".json")
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -448,14 +454,78 @@ def load_examples(path, tokenizer: TextTokenizer, seq_len: int) -> tuple[list[Ex
     return _load_records(p, records, tokenizer, seq_len)
 
 
-def _load_text(p: Path, text: str, tokenizer: TextTokenizer, seq_len: int):
+def _probe_window(lines: list[str], c: int) -> tuple[str, str] | None:
+    """The text around a cut before line c: TEXT_SEAM_PROBE lines each side, widened until both
+    ends are lines with non-whitespace (or the file's ends), so that whitespace runs crossing the
+    cut are inside it. None if that needs more than TEXT_SEAM_MAX_WIDEN lines (no safe cut here)."""
+    k = max(1, TEXT_SEAM_PROBE)
+    lo = max(0, c - k)
+    while lo > 0 and not lines[lo].strip():
+        lo -= 1
+        if c - lo > TEXT_SEAM_MAX_WIDEN:
+            return None
+    hi = min(len(lines), c + k)
+    while hi < len(lines) and not lines[hi - 1].strip():
+        hi += 1
+        if hi - c > TEXT_SEAM_MAX_WIDEN:
+            return None
+    return "".join(lines[lo:c]), "".join(lines[c:hi])
+
+
+def _safe_seams(tok: tokenizers.Tokenizer, lines: list[str], nominal: list[int]) -> tuple[list[int], int]:
+    """For each nominal cut (a line index), the first line at or after it (within TEXT_SEAM_SEARCH
+    lines) where cutting does not change the tokens: the text around it tokenizes in one piece
+    exactly as its two halves do. Returns the cuts and how many found none (those stay nominal)."""
+    chosen: dict[int, int] = {}
+    for r in range(max(1, TEXT_SEAM_SEARCH)):
+        todo = [b for b in nominal if b not in chosen and b + r < len(lines)]
+        if not todo:
+            break
+        probes = [(b, _probe_window(lines, b + r)) for b in todo]
+        probes = [(b, w) for b, w in probes if w is not None]
+        texts = [t for _, (left, right) in probes for t in (left + right, left, right)]
+        ids = _encode_many(tok, texts, add_special_tokens=False)
+        for i, (b, _) in enumerate(probes):
+            if ids[3 * i] == ids[3 * i + 1] + ids[3 * i + 2]:
+                chosen[b] = b + r
+    return [chosen.get(b, b) for b in nominal], sum(b not in chosen for b in nominal)
+
+
+def _tokenize_text(tok: tokenizers.Tokenizer, text: str) -> tuple[list[list[int]], int]:
+    """Tokenize a long text (no special tokens) as if in one piece, in parallel chunks of lines.
+
+    Chunks are about TEXT_CHUNK_LINES lines; each cut is moved to a nearby line boundary where
+    cutting does not change the tokens locally (see :func:`_safe_seams`), so tokens that a
+    whole-text tokenization merges across lines (e.g. whitespace runs) come out the same. Returns
+    the id pieces in order and the number of cuts for which no safe line was found.
+    """
     lines = text.splitlines(keepends=True)
-    chunks = ["".join(lines[i:i + TEXT_CHUNK_LINES]) for i in range(0, len(lines), TEXT_CHUNK_LINES)]
-    encoded = _encode_many(tokenizer.tok, chunks, add_special_tokens=False)
+    c = max(1, TEXT_CHUNK_LINES)
+    if len(lines) <= c:
+        return [tok.encode(text, add_special_tokens=False).ids], 0
+    seams, unsafe = _safe_seams(tok, lines, list(range(c, len(lines), c)))
+    bounds = sorted({0, *seams, len(lines)})  # a moved cut may pass the next one: keep a partition
+    chunks = ["".join(lines[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return _encode_many(tok, chunks, add_special_tokens=False), unsafe
+
+
+def tokenize_text(text: str, tokenizer: TextTokenizer) -> np.ndarray:
+    """The int64 token stream of a plain text exactly as the ``.txt`` path builds it (before
+    packing): the tokenizer's special prefix (e.g. BOS) once, then the text without special tokens,
+    tokenized in parallel chunks equal to tokenizing it in one piece."""
+    pieces, _ = _tokenize_text(tokenizer.tok, text)
+    prefix = tokenizer.prefix_ids
+    total = len(prefix) + sum(len(x) for x in pieces)
+    return np.fromiter(itertools.chain(prefix, itertools.chain.from_iterable(pieces)), dtype=np.int64, count=total)
+
+
+def _load_text(p: Path, text: str, tokenizer: TextTokenizer, seq_len: int):
+    lines_count = len(text.splitlines())
+    if not text.strip():
+        raise DataError(f"{p}: the file has no text; put plain training text in it")
+    encoded, unsynced = _tokenize_text(tokenizer.tok, text)
     prefix = tokenizer.prefix_ids
     total = len(prefix) + sum(len(x) for x in encoded)
-    if total == 0 or not text.strip():
-        raise DataError(f"{p}: the file has no text; put plain training text in it")
     ids = np.fromiter(itertools.chain(prefix, itertools.chain.from_iterable(encoded)), dtype=np.int64, count=total)
     n_blocks = total // seq_len
     tail = total - n_blocks * seq_len
@@ -465,11 +535,15 @@ def _load_text(p: Path, text: str, tokenizer: TextTokenizer, seq_len: int):
     blocks = ids[: n_blocks * seq_len].reshape(n_blocks, seq_len)
     examples = [Example(input_ids=blocks[i].copy(), labels=blocks[i].copy()) for i in range(n_blocks)]
     warnings = []
+    if unsynced:
+        warnings.append(f"{unsynced} cuts between tokenizer chunks of {TEXT_CHUNK_LINES} lines found no line where "
+                        "cutting leaves the tokens unchanged; a token or two there may differ from tokenizing "
+                        "the file in one piece")
     if tail:
         warnings.append(f"the last {tail} tokens (shorter than seq_len={seq_len}) were dropped: text is packed "
                         "into non-overlapping blocks of exactly seq_len tokens")
     report = DataReport(
-        path=str(p), kind="text", records=len(lines), examples=n_blocks, truncated=0, dropped=1 if tail else 0,
+        path=str(p), kind="text", records=lines_count, examples=n_blocks, truncated=0, dropped=1 if tail else 0,
         tokens=n_blocks * seq_len, label_tokens=n_blocks * (seq_len - 1), warnings=warnings, seq_len=seq_len,
         dropped_tokens=tail,
     )
@@ -796,5 +870,5 @@ class DataOrder:
 __all__ = [
     "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "CHAT_ROLES", "DataError", "DataOrder", "DataReport", "Example",
     "IGNORE_INDEX", "PLAIN_CHAT_TEMPLATE", "SUPPORTED_EXTENSIONS", "TEXT_CHUNK_LINES", "TextTokenizer",
-    "alpaca_prompt", "collate", "load_examples", "loss_token_count",
+    "alpaca_prompt", "collate", "load_examples", "loss_token_count", "tokenize_text",
 ]
