@@ -113,6 +113,127 @@ def _add_export(sub) -> None:
     p.set_defaults(func=_export)
 
 
+def _demo(args) -> None:
+    from dataclasses import replace
+
+    from eval.demo import Recipe, run_demo
+
+    recipe = Recipe() if args.steps is None else replace(Recipe(), steps=args.steps)
+    run_demo(args.workdir, model=args.model, recipe=recipe)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="end to end: personalize the real Gemma3-270M on private wearable records")
+    p.add_argument("--workdir", default="pocketlora-demo", help="where data, bundle, run and report go")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the tuned recipe's)")
+    p.add_argument("--model", default=None, help="another checkpoint (HF dir or GGUF dir) instead of the embedded default")
+    p.set_defaults(func=_demo)
+
+
+def _eval_ppl(args) -> None:
+    from eval.cli import print_ppl, run_ppl, write_json
+
+    result = run_ppl(args.bundle, args.data, run=args.run, peft=args.peft, seq_len=args.seq_len, stride=args.stride,
+                     max_tokens=args.max_tokens, backend=args.backend, threads=args.threads,
+                     batch_size=args.batch_size)
+    print_ppl(result)
+    write_json(result, args.out)
+
+
+def _eval_mmlu(args) -> None:
+    from eval.cli import print_mmlu, run_mmlu, write_json
+
+    result = run_mmlu(args.bundle, args.data, run=args.run, peft=args.peft, shots=args.shots,
+                      subjects=args.subjects, split=args.split, limit=args.limit, backend=args.backend,
+                      threads=args.threads, max_len=args.max_len, batch_size=args.batch_size,
+                      predictions=args.predictions)
+    print_mmlu(result)
+    write_json(result, args.out)
+
+
+def _eval_parity(args) -> None:
+    from eval.parity import ParityConfig, run_parity
+
+    report = run_parity(ParityConfig(
+        bundle=args.bundle, data=args.data, out=args.out, steps=args.steps, micro_batch=args.micro_batch,
+        accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
+        clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
+        heldout=args.heldout, ppl_seq_len=args.seq_len, ppl_stride=args.stride,
+        heldout_max_tokens=args.max_tokens, mmlu_data=args.mmlu_data, mmlu_subjects=args.mmlu_subjects,
+        mmlu_limit=args.mmlu_limit, mmlu_split=args.mmlu_split, shots=args.shots, threads=args.threads,
+        isolate=not args.in_process, force=args.force,
+    ))
+    for check in report["checks"]:
+        print(f"{check['status']}  {check['name']} = {check['value']:.3g} (threshold {check['threshold']:g}): "
+              f"{check['detail']}")
+    print(f"parity {'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="workstation: perplexity, MMLU, and ORT-vs-PyTorch training parity reports")
+    verbs = p.add_subparsers(dest="eval_verb", required=True)
+
+    def weights_and_backend(q) -> None:
+        q.add_argument("--bundle", required=True)
+        w = q.add_mutually_exclusive_group()
+        w.add_argument("--run", help="LoRA from a training run's latest checkpoint (the --out of `pocketlora train`)")
+        w.add_argument("--peft", help="LoRA from a PEFT adapter directory (adapter_model.safetensors)")
+        q.add_argument("--backend", default="ort", choices=["ort", "torch"],
+                       help="ort: the bundle's eval graph; torch: the source model + PEFT (workstation)")
+        q.add_argument("--threads", type=int, default=0, help="ORT / torch threads (0: library default)")
+        q.add_argument("--batch-size", type=int, default=8, help="windows or prompts per forward")
+        q.add_argument("--out", help="also write the result as JSON to this file")
+
+    q = verbs.add_parser("ppl", help="sliding-window perplexity of a text file (no --run/--peft: the base model)")
+    weights_and_backend(q)
+    q.add_argument("--data", required=True, help="text file, tokenized with the bundle tokenizer")
+    q.add_argument("--seq-len", type=int, default=None, help="window length (default: the bundle's seq_len)")
+    q.add_argument("--stride", type=int, default=None, help="window step (default: min(128, seq-len))")
+    q.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
+    q.set_defaults(func=_eval_ppl)
+
+    q = verbs.add_parser("mmlu", help="k-shot MMLU accuracy from next-token logits over ' A'..' D'")
+    weights_and_backend(q)
+    q.add_argument("--data", required=True, help="MMLU data directory with dev/, val/, test/ csv files")
+    q.add_argument("--shots", type=int, default=5, choices=[0, 5])
+    q.add_argument("--subjects", nargs="+", default=None, help="default: every subject found")
+    q.add_argument("--split", default="test", choices=["test", "val"])
+    q.add_argument("--limit", type=int, default=None, help="first N questions per subject")
+    q.add_argument("--max-len", type=int, default=None, help="prompt token budget (default: min(2048, positions - 1))")
+    q.add_argument("--predictions", action="store_true", help="include per-question predictions in --out")
+    q.set_defaults(func=_eval_mmlu)
+
+    q = verbs.add_parser("parity", help="train with the device runner (ORT) and with PyTorch + PEFT on the same "
+                                        "batches, then compare losses, weights, perplexity and MMLU")
+    q.add_argument("--bundle", required=True)
+    q.add_argument("--data", required=True, help="training file (as for `pocketlora train`)")
+    q.add_argument("--out", required=True, help="report directory (report.md, report.json, plots, both runs)")
+    q.add_argument("--steps", type=int, default=200)
+    q.add_argument("--micro-batch", type=int, default=1)
+    q.add_argument("--accum", type=int, default=8)
+    q.add_argument("--lr", type=float, default=2e-4)
+    q.add_argument("--warmup", type=int, default=10)
+    q.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    q.add_argument("--clip", type=float, default=1.0, help="max global grad norm; 0 disables")
+    q.add_argument("--weight-decay", type=float, default=0.0)
+    q.add_argument("--seed", type=int, default=0, help="data order")
+    q.add_argument("--heldout", help="text file for the held-out perplexity check")
+    q.add_argument("--seq-len", type=int, default=None, help="perplexity window (default: the bundle's seq_len)")
+    q.add_argument("--stride", type=int, default=None, help="perplexity stride (default: min(128, seq-len))")
+    q.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    q.add_argument("--mmlu-data", help="MMLU data directory; enables the MMLU comparison")
+    q.add_argument("--mmlu-subjects", nargs="+", default=None)
+    q.add_argument("--mmlu-limit", type=int, default=None, help="first N questions per subject")
+    q.add_argument("--mmlu-split", default="test", choices=["test", "val"])
+    q.add_argument("--shots", type=int, default=5, choices=[0, 5])
+    q.add_argument("--threads", type=int, default=0, help="ORT / torch threads for training (0: library default)")
+    q.add_argument("--in-process", action="store_true",
+                   help="train both sides in this process instead of one subprocess each (faster start; peak RSS "
+                        "is then not per side)")
+    q.add_argument("--force", action="store_true", help="replace ort_run/ and torch_run/ left in --out")
+    q.set_defaults(func=_eval_parity)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already names the problem and the fix."""
     errors: list[type[BaseException]] = [FileExistsError, FileNotFoundError]
@@ -145,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gen(sub)
     _add_train(sub)
     _add_export(sub)
+    _add_demo(sub)
+    _add_eval(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Protocol, runtime_checkable
 SYSFS_ROOT = "/sys/class/power_supply"
 THERMAL_ROOT = "/sys/class/thermal"
 COMMAND_TIMEOUT_S = 5.0
-SPECS = ("auto", "android-sysfs", "dumpsys", "termux", "linux", "replay:PATH", "none")
+SPECS = ("auto", "android-sysfs", "dumpsys", "termux", "linux", "replay:PATH[@SPEED]", "none")
 
 
 class ProbeError(RuntimeError):
@@ -431,6 +431,12 @@ def make_probe(spec: str, *, root: str | Path = SYSFS_ROOT, thermal_root: str | 
         return probe
     if spec.startswith("replay:"):
         path = spec[len("replay:"):]
+        if "@" in path:                      # replay:TRACE.csv@40 fast-forwards 40x
+            path, _, factor = path.rpartition("@")
+            try:
+                speed = float(factor)
+            except ValueError:
+                raise ValueError(f"replay speed {factor!r} is not a number: use replay:PATH@SPEED, e.g. @40") from None
         if not path:
             raise ValueError("replay needs a trace: use replay:PATH/TO/trace.csv")
         probe = ReplayProbe(path, clock=clock, speed=speed)

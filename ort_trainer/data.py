@@ -425,6 +425,14 @@ def collate(examples: list[Example], pad_id: int, pad_to: int | None = None) -> 
 # Loading
 # --------------------------------------------------------------------------------------------
 
+def generation_prompt_ids(tokenizer: TextTokenizer, messages: list[dict]) -> list[int]:
+    """The ids that training puts before an assistant's answer to `messages` (ending with a user turn):
+    use them to generate, so inference sees exactly the prompts the model was trained on."""
+    text = tokenizer.render_chat(messages, add_generation_prompt=True)
+    prefix = [] if tokenizer.has_chat_template else tokenizer.prefix_ids
+    return list(prefix) + tokenizer.encode(text, add_special_tokens=False)
+
+
 def load_examples(path, tokenizer: TextTokenizer, seq_len: int) -> tuple[list[Example], DataReport]:
     """Load a ``.txt``, ``.jsonl`` or ``.json`` file into examples of at most ``seq_len`` tokens.
 

@@ -106,13 +106,18 @@ class TrainSession:
 
 
 class EvalSession:
-    """The eval graph on plain ORT inference, with the LoRA weights fed as inputs."""
+    """The eval graph on plain ORT inference, with the LoRA weights fed as inputs; or any model with the
+    same interface and the adapter baked in (ort_trainer.export.export_onnx), with `lora` empty."""
 
-    def __init__(self, bundle: Bundle, lora: dict[str, np.ndarray], options: RuntimeOptions = RuntimeOptions()):
-        self.session = ort.InferenceSession(
-            str(bundle.file(mf.EVAL_MODEL)), options.session_options(), providers=["CPUExecutionProvider"]
-        )
+    def __init__(self, bundle: Bundle | None, lora: dict[str, np.ndarray], options: RuntimeOptions = RuntimeOptions(),
+                 model_path: str | Path | None = None):
+        path = model_path or bundle.file(mf.EVAL_MODEL)
+        self.session = ort.InferenceSession(str(path), options.session_options(), providers=["CPUExecutionProvider"])
         self.lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
+
+    @classmethod
+    def from_model(cls, model_path: str | Path, options: RuntimeOptions = RuntimeOptions()) -> "EvalSession":
+        return cls(None, {}, options, model_path=model_path)
 
     def run(self, batch: dict[str, np.ndarray], loss_scale: float = 1.0) -> tuple[float, np.ndarray]:
         """(loss_scale * summed NLL, logits [N, V] at the N labelled positions)."""

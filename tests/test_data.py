@@ -613,3 +613,22 @@ def test_data_order_resume():
         DataOrder(n, seed + 1, bs).load_state_dict(state)
     with pytest.raises(DataError):
         DataOrder(n, seed, bs + 1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("tok_name", ["gpt2", "qwen2.5"])
+def test_generation_prompt_ids_equal_the_trained_prompt(tmp_path, tok_name, shared_data):
+    from ort_trainer.data import generation_prompt_ids
+
+    src = shared_data / "tokenizers" / tok_name
+    if tok_name == "qwen2.5":
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / "tok")
+        src = tmp_path / "tok"
+    tok = TextTokenizer.from_dir(src)
+    msgs = [{"role": "user", "content": "What workout did I do on July 4?"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": msgs + [{"role": "assistant", "content": "hiking"}]}) + "\n")
+    (ex,), _ = load_examples(path, tok, 64)
+    first_loss = int(np.argmax(ex.labels != -100))
+    assert generation_prompt_ids(tok, msgs) == ex.input_ids[:first_loss].tolist()

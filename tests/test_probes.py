@@ -417,3 +417,17 @@ def test_only_standard_library_imports():
     src = Path(probes.__file__).read_text()
     for banned in ("torch", "transformers", "numpy"):
         assert f"import {banned}" not in src
+
+
+def test_replay_spec_with_speed(tmp_path):
+    from android_runner.probes import make_probe
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("t_s,percent,charging,temp_c\n0,50,0,30\n60,40,0,30\n")
+    now = [0.0]
+    probe = make_probe(f"replay:{trace}@60", clock=lambda: now[0], log=lambda *_: None)
+    assert probe.read().percent == 50
+    now[0] = 1.01                      # one real second = a minute of trace at 60x
+    assert probe.read().percent == 40
+    with pytest.raises(ValueError, match="not a number"):
+        make_probe(f"replay:{trace}@fast", log=lambda *_: None)
