@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ort_trainer import manifest as mf
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 
 from . import graph_fixes
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
-from .shards import write_shards
+from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
 
 TRACE_LEN_MAX = 32   # the trace length: short, and deliberately not the bundle's seq-len
@@ -125,6 +126,10 @@ def build_bundle(
     lora = lora or LoraSettings()
     out = Path(out).absolute()
     t0 = time.time()
+    plain_log = log
+
+    def log(msg: str) -> None:
+        plain_log(f"{msg}  [{time.time() - t0:.0f} s]" if msg.startswith("[") else msg)
     check_out_dir(out, force)
     if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
         raise ValueError(f"LoRA settings r={lora.r} alpha={lora.alpha} dropout={lora.dropout}: need r >= 1, alpha > 0, 0 <= dropout < 1.")
@@ -149,6 +154,7 @@ def build_bundle(
         log("[3/5] graph checks and fixes")
         naming = graph_fixes.name_initializers(forward, _source_tensors(peft_model))
         untied = graph_fixes.untie_head(forward)
+        graph_fixes.constants_to_initializers(forward, MIN_EXTERNAL_BYTES)
         n_ln = graph_fixes.layernorm_stats(forward)
         train = graph_fixes.trainables(naming, list(initial), forward)
         graph_fixes.write_initial_lora(forward, train, initial)
@@ -158,6 +164,7 @@ def build_bundle(
 
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
+        graph_fixes.check_untied_head(forward)
         if plan.oversize:
             log(f"      note: {', '.join(plan.oversize)} exceed(s) --shard-mb {shard_mb}; ONNX external data cannot "
                 "split a tensor, so each is stored alone in its own shard file")
@@ -256,7 +263,7 @@ def _check_artifacts(stage: Path, shard_files: list[str]) -> None:
     for name in (mf.TRAINING_MODEL, mf.EVAL_MODEL):
         model = onnx.load(str(stage / name), load_external_data=False)
         inline = [i.name for i in model.graph.initializer
-                  if i.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(i.dims or [1])) * 4 > (1 << 20)]
+                  if i.data_location != onnx.TensorProto.EXTERNAL and numpy_helper.to_array(i).nbytes >= (1 << 20)]
         if inline:
             raise RuntimeError(f"{name}: {len(inline)} large initializers are inline, e.g. {inline[0]}")
         missing = {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"} - set(shard_files)

@@ -6,6 +6,7 @@
 2. untie_head: with tied embeddings the exporter keeps the embedding for Gather *and* a folded
    transposed copy for the LM head, doubling the largest tensor. The head's MatMul becomes
    Gemm(h, E, transB=1) on the one embedding.
+   constants_to_initializers: large Constant nodes join the weights, so they are sharded too.
 3. layernorm_stats: ORT's LayerNormalization gradient needs the optional mean / inv_std outputs.
 4. write_initial_lora: the graph was traced with distinct placeholder LoRA values (see
    export.set_placeholders); PEFT's real initial values go back in here.
@@ -92,17 +93,39 @@ def untie_head(model: onnx.ModelProto) -> list[str]:
     for name in fixed:
         if name not in still_used:
             model.graph.initializer.remove(inits[name])
-    if fixed:
-        _check_rank2(model, [n.input[0] for n in model.graph.node if n.name.endswith("_untied")])
     return fixed
 
 
-def _check_rank2(model: onnx.ModelProto, names: list[str]) -> None:
+def check_untied_head(model: onnx.ModelProto) -> None:
+    """Gemm needs a 2-D input. Run after the weights went to shards: shape inference serializes the
+    whole proto, which with the weights inline costs several GB and fails past protobuf's 2 GB."""
+    names = [n.input[0] for n in model.graph.node if n.name.endswith("_untied")]
+    if not names:
+        return
     inferred = onnx.shape_inference.infer_shapes(model)
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in inferred.graph.value_info}
     bad = [n for n in names if ranks.get(n, 2) != 2]
     if bad:
         raise ExportError(f"tied LM head input {bad} is not 2-D; cannot use Gemm(transB=1)")
+
+
+def constants_to_initializers(model: onnx.ModelProto, min_bytes: int) -> int:
+    """Large Constant nodes (e.g. GPT-2's 1 MiB causal-mask buffer) become initializers, so they go to
+    the shards with the weights; ORT would otherwise inline them into the training graph."""
+    moved = 0
+    for node in list(model.graph.node):
+        if node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name != "value":
+            continue
+        tensor = node.attribute[0].t
+        if numpy_helper.to_array(tensor).nbytes < min_bytes:
+            continue
+        init = onnx.TensorProto()
+        init.CopyFrom(tensor)
+        init.name = node.output[0]
+        model.graph.initializer.append(init)
+        model.graph.node.remove(node)
+        moved += 1
+    return moved
 
 
 def layernorm_stats(model: onnx.ModelProto) -> int:

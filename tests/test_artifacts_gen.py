@@ -151,14 +151,24 @@ def test_shards_hold_every_frozen_weight_once(built):
 
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     stored = list(arrays.values())
+
+    def forms(name, w):
+        return [w] + ([w.T] if w.ndim == 2 else []) + ([1.0 + w] if family == "gemma3" and "norm" in name else [])
+
+    def hits(w_forms):
+        return [i for i, s in enumerate(stored) for f in w_forms if s.shape == f.shape and np.array_equal(s, f)]
+
+    matched = set()
     for name, p in base.named_parameters():   # tied weights are listed once by named_parameters
         w = p.detach().numpy()
-        forms = [w] + ([w.T] if w.ndim == 2 else []) + ([1.0 + w] if family == "gemma3" and "norm" in name else [])
-        hits = sum(1 for s in stored for f in forms if s.shape == f.shape and np.array_equal(s, f))
         if w.size * 4 >= 1024:
-            assert hits == 1, (name, hits)
-    # Every stored tensor is some base weight (nothing else large, nothing twice).
-    assert len(stored) == sum(1 for _, p in base.named_parameters() if p.numel() * 4 >= 1024)
+            found = hits(forms(name, w))
+            assert len(found) == 1, (name, len(found))
+            matched.update(found)
+    for name, b in base.named_buffers():       # e.g. GPT-2's causal-mask buffer, exported as a constant
+        matched.update(hits([b.numpy()]))
+    # Every stored tensor is a weight or buffer of the model: nothing else, nothing twice.
+    assert matched == set(range(len(stored)))
     assert sum(f.bytes for f in bundle.manifest.files_with_role("shard")) >= sum(a.nbytes for a in stored)
 
 
