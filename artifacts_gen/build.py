@@ -6,7 +6,6 @@ place at the end, so a failed run leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from ort_trainer import manifest as mf
+from ort_trainer.bundle import sha256_file
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 
 from . import graph_fixes
@@ -72,14 +72,6 @@ def check_out_dir(out: Path, force: bool) -> None:
             what = "a bundle"
         raise BundleExists(f"--out {out}: already holds {what}. Choose another --out, or pass --force to replace it.")
     raise BundleExists(f"--out {out}: is not empty and is not a bundle. Choose an empty or new directory.")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
