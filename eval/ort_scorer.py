@@ -1,0 +1,259 @@
+"""eval.metrics.Scorer over a bundle's ONNX eval model (ONNX Runtime inference, no torch).
+
+The eval graph takes input_ids, attention_mask, labels and loss_scale and returns
+`loss` = loss_scale * summed shifted NLL over the labelled tokens, plus `logits` [N, V] at the N
+positions t whose *next* label is set (labels[:, t+1] != -100), in row-major (batch, position)
+order (see ort_trainer.manifest.LossSpec). So:
+
+* nll: one run with loss_scale = 1 gives the sum; the count is loss_token_count(labels).
+* last_logits: one column (pad id, attention 0) is appended and only labels[b, last_real_b + 1]
+  is set, so the graph returns exactly one logits row per batch row, at its last real token.
+
+LoRA weights are graph inputs keyed by their ONNX names. Helpers below read them from a bundle's
+initial checkpoint, a training run's latest checkpoint, or a PEFT adapter directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ort_trainer import checkpoint
+from ort_trainer import manifest as mf
+from ort_trainer.bundle import Bundle, open_bundle
+from ort_trainer.data import IGNORE_INDEX, loss_token_count
+from ort_trainer.export import load_lora
+from ort_trainer.session import EvalSession, RuntimeOptions
+
+# Rows per graph run are limited so that the model's full logits block ([rows, seq, V] float32,
+# computed inside the graph before the labelled positions are gathered) stays below this many
+# elements (2**28 floats = 1 GiB); a row is never split.
+MAX_LOGIT_ELEMENTS = 1 << 28
+
+
+# --------------------------------------------------------------------------------------------
+# Where LoRA weights come from
+# --------------------------------------------------------------------------------------------
+def as_bundle(bundle: Bundle | str | Path, verify: str = "sizes") -> Bundle:
+    return bundle if isinstance(bundle, Bundle) else open_bundle(bundle, verify=verify)
+
+
+def initial_lora(bundle: Bundle) -> dict[str, np.ndarray]:
+    """The bundle's initial checkpoint (PEFT's init: B = 0, so exactly the base model)."""
+    return load_lora(bundle.file(mf.CHECKPOINT), bundle.manifest)
+
+
+def _check_run_bundle(run_dir: Path, manifest: mf.Manifest) -> None:
+    """A run trained on another bundle may have tensors of the same shapes but another LoRA scaling or
+    targets: refuse it when the run's own bundle (run.json) is still there and differs."""
+    try:
+        run_bundle = json.loads((run_dir / "run.json").read_text())["bundle"]
+        theirs = mf.Manifest.load(run_bundle)
+    except (OSError, KeyError, ValueError):
+        return                                   # no run.json or its bundle moved: shapes are still checked
+    if (theirs.lora.r, theirs.lora.alpha, theirs.lora.target_modules, theirs.trainable_names, theirs.model.source) != \
+            (manifest.lora.r, manifest.lora.alpha, manifest.lora.target_modules, manifest.trainable_names,
+             manifest.model.source):
+        raise ValueError(f"{run_dir} was trained on the bundle {run_bundle}, whose model or LoRA settings differ from "
+                         "--bundle's; pass the bundle the run was trained on")
+
+
+def lora_from_run(run_dir: str | Path, manifest: mf.Manifest, warn=print) -> tuple[dict[str, np.ndarray], int]:
+    """(ONNX name -> tensor, step) from the newest good checkpoint of a `pocketlora train` run."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory (the --out of `pocketlora train`)")
+    _check_run_bundle(run_dir, manifest)
+    found = checkpoint.latest(run_dir, warn=warn)
+    if found is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint yet; train at least one step first")
+    path, state = found
+    return load_lora(path / checkpoint.ORT_FILE, manifest), int(state["step"])
+
+
+def _check_adapter_config(cfg: dict, manifest: mf.Manifest, origin: str) -> None:
+    """The eval graph bakes in r and alpha/r (the targeted modules are checked through the keys)."""
+    lora = manifest.lora
+    problems = []
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if "r" in cfg and int(cfg["r"]) != lora.r:
+        problems.append(f"r={cfg['r']} but the bundle has r={lora.r}")
+    if "lora_alpha" in cfg and float(cfg["lora_alpha"]) != float(lora.alpha):
+        problems.append(f"lora_alpha={cfg['lora_alpha']} but the bundle has alpha={lora.alpha}")
+    for flag in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern"):
+        if cfg.get(flag):
+            problems.append(f"{flag}={cfg[flag]!r} is not supported by the bundle's graphs")
+    if problems:
+        raise ValueError(f"{origin}: adapter does not fit this bundle: {'; '.join(problems)}")
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "") if keys else "none"
+
+
+def lora_from_peft(peft_dir: str | Path, manifest: mf.Manifest) -> dict[str, np.ndarray]:
+    """ONNX name -> tensor (ONNX layout) from a PEFT directory (adapter_model.safetensors).
+
+    Keys are mapped through the manifest's `trainable` list; tensors marked `transposed` are
+    transposed. The adapter must have exactly the bundle's LoRA tensors with matching shapes and
+    the same r / alpha (they are baked into the graph).
+    """
+    from safetensors.numpy import load_file
+
+    d = Path(peft_dir)
+    weights = d / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: not found; --peft takes a PEFT adapter directory "
+                                "(adapter_config.json + adapter_model.safetensors)")
+    if (d / "adapter_config.json").is_file():
+        _check_adapter_config(json.loads((d / "adapter_config.json").read_text()), manifest, str(d))
+    state = load_file(str(weights))
+    # PEFT saves keys without the adapter name; tolerate a ".default" left in by hand-made files.
+    state = {k.replace(".default.", "."): v for k, v in state.items()}
+    want = {t.peft_key: t for t in manifest.trainable}
+    unknown = sorted(set(state) - set(want))
+    missing = sorted(set(want) - set(state))
+    if unknown or missing:
+        raise ValueError(f"{weights}: LoRA keys do not match the bundle: missing {_few(missing)}, "
+                         f"unknown {_few(unknown)}")
+    out = {}
+    for key, t in want.items():
+        arr = np.asarray(state[key], dtype=np.float32)
+        arr = arr.T if t.transposed else arr
+        if list(arr.shape) != list(t.shape):
+            raise ValueError(f"{weights}: {key} has shape {list(state[key].shape)}, the bundle expects "
+                             f"{t.shape[::-1] if t.transposed else t.shape}")
+        out[t.onnx_name] = np.ascontiguousarray(arr)
+    return out
+
+
+def resolve_lora(bundle: Bundle, run: str | Path | None = None, peft: str | Path | None = None,
+                 warn=print) -> tuple[dict[str, np.ndarray], str]:
+    """LoRA (ONNX names) for --run / --peft / neither (the bundle's initial weights), and a label."""
+    if run is not None and peft is not None:
+        raise ValueError("give at most one of --run and --peft")
+    if run is not None:
+        lora, step = lora_from_run(run, bundle.manifest, warn=warn)
+        return lora, f"run {run} (step {step})"
+    if peft is not None:
+        return lora_from_peft(peft, bundle.manifest), f"PEFT adapter {peft}"
+    return initial_lora(bundle), "bundle initial weights (base model)"
+
+
+# --------------------------------------------------------------------------------------------
+# The scorer
+# --------------------------------------------------------------------------------------------
+class OrtScorer:
+    """Scorer over a bundle's eval model. `lora` maps ONNX names to tensors (ONNX layout);
+    None means the bundle's initial checkpoint (PEFT init, B = 0: exactly the base model)."""
+
+    def __init__(self, bundle: Bundle | str | Path, lora: dict[str, np.ndarray] | None = None,
+                 options: RuntimeOptions = RuntimeOptions(), max_logit_elements: int = MAX_LOGIT_ELEMENTS):
+        self.bundle = as_bundle(bundle)
+        man = self.bundle.manifest
+        if lora is None:
+            lora = initial_lora(self.bundle)
+        self.vocab = int(man.model.vocab_size)
+        self.max_positions = int(man.model.max_positions)
+        self.max_logit_elements = int(max_logit_elements)
+        self.session = EvalSession(self.bundle, self._validated(lora), options)
+
+    def _validated(self, lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        man = self.bundle.manifest
+        missing = sorted(set(man.trainable_names) - set(lora))
+        if missing:
+            raise KeyError(f"LoRA weights are missing {len(missing)} tensors of the bundle, e.g. {missing[0]}")
+        for t in man.trainable:
+            if list(np.shape(lora[t.onnx_name])) != list(t.shape):
+                raise ValueError(f"{t.onnx_name}: shape {list(np.shape(lora[t.onnx_name]))} != bundle's {t.shape}")
+        return {n: np.ascontiguousarray(lora[n], dtype=np.float32) for n in man.trainable_names}
+
+    def set_lora(self, lora: dict[str, np.ndarray]) -> None:
+        """Score with other LoRA weights (ONNX names); they are graph inputs, so the session is reused."""
+        self.session.lora = self._validated(lora)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _groups(self, lengths: np.ndarray):
+        """Row indices in groups of similar length (sorted), each within the logits budget;
+        with the width each group needs (its longest row)."""
+        order = np.argsort(lengths, kind="stable")
+        group: list[int] = []
+        width = 0
+        for i in order:
+            w = max(width, int(lengths[i]))
+            if group and (len(group) + 1) * w * self.vocab > self.max_logit_elements:
+                yield np.asarray(group), width
+                group, w = [], int(lengths[i])
+            group.append(int(i))
+            width = w
+        if group:
+            yield np.asarray(group), width
+
+    @staticmethod
+    def _check(input_ids, attention_mask, labels=None):
+        input_ids = np.asarray(input_ids, dtype=np.int64)
+        attention_mask = np.asarray(attention_mask, dtype=np.int64)
+        if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+            raise ValueError("input_ids and attention_mask must both be [B, S]")
+        if labels is not None:
+            labels = np.asarray(labels, dtype=np.int64)
+            if labels.shape != input_ids.shape:
+                raise ValueError("labels must be [B, S] like input_ids")
+        return input_ids, attention_mask, labels
+
+    @staticmethod
+    def _used_width(attention_mask: np.ndarray, labels: np.ndarray | None = None) -> np.ndarray:
+        """Per row: columns up to the last real token or label (right padding beyond is dropped)."""
+        used = attention_mask != 0
+        if labels is not None:
+            used = used | (labels != IGNORE_INDEX)
+        cols = np.arange(attention_mask.shape[1])[None, :]
+        return np.where(used, cols + 1, 0).max(axis=1)
+
+    # -- Scorer --------------------------------------------------------------------------------
+    def nll(self, input_ids: np.ndarray, attention_mask: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
+        input_ids, attention_mask, labels = self._check(input_ids, attention_mask, labels)
+        total = 0.0
+        count = 0
+        widths = np.maximum(self._used_width(attention_mask, labels), 1)
+        for rows, width in self._groups(widths):
+            lab = labels[rows, :width]
+            n = loss_token_count(lab)
+            if n == 0:
+                continue
+            batch = {"input_ids": input_ids[rows, :width], "attention_mask": attention_mask[rows, :width],
+                     "labels": lab}
+            loss, _ = self.session.run(batch, loss_scale=1.0)
+            total += float(loss)
+            count += n
+        return total, count
+
+    def last_logits(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        input_ids, attention_mask, _ = self._check(input_ids, attention_mask)
+        lengths = attention_mask.sum(axis=1).astype(np.int64)
+        if (lengths < 1).any():
+            raise ValueError("every row needs at least one real token")
+        widths = self._used_width(attention_mask)
+        if not np.array_equal(widths, lengths):
+            raise ValueError("last_logits expects right padding (attention_mask = 1 then 0)")
+        if int(lengths.max()) + 1 > self.max_positions:
+            raise ValueError(f"a prompt of {int(lengths.max())} tokens leaves no room for the extra column the eval "
+                             f"graph needs (max {self.max_positions - 1} tokens for this model); truncate prompts "
+                             f"to <= {self.max_positions - 1} tokens")
+        out = np.empty((input_ids.shape[0], self.vocab), dtype=np.float32)
+        pad = int(input_ids[attention_mask == 0][0]) if (attention_mask == 0).any() else 0
+        for rows, width in self._groups(lengths):
+            b = len(rows)
+            ids = np.full((b, width + 1), pad, dtype=np.int64)
+            mask = np.zeros((b, width + 1), dtype=np.int64)
+            labels = np.full((b, width + 1), IGNORE_INDEX, dtype=np.int64)
+            ids[:, :width] = input_ids[rows, :width]
+            mask[:, :width] = attention_mask[rows, :width]
+            labels[np.arange(b), lengths[rows]] = 0          # position last_real + 1: any valid id
+            _, logits = self.session.run({"input_ids": ids, "attention_mask": mask, "labels": labels}, 1.0)
+            if logits.shape[0] != b:
+                raise RuntimeError(f"eval graph returned {logits.shape[0]} logits rows for {b} prompts")
+            out[rows] = logits
+        return out
