@@ -53,14 +53,8 @@ def _train(args) -> None:
     train(cfg, args.out)
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="device: train a bundle's LoRA on local data (running it again resumes)")
-    p.add_argument("--bundle", required=True)
-    p.add_argument("--data", required=True, help=".txt (packed into seq-len blocks), .jsonl or .json (instruction/chat records)")
-    p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, summary)")
-    steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--epochs", type=int)
-    steps.add_argument("--max-steps", type=int)
+def _add_hyperparameters(p) -> None:
+    """The options that define a training run; shared by `train` and `eval parity`."""
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--accum", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-4)
@@ -69,6 +63,17 @@ def _add_train(sub) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="max global grad norm; 0 disables")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="data order")
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="device: train a bundle's LoRA on local data (running it again resumes)")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--data", required=True, help=".txt (packed into seq-len blocks), .jsonl or .json (instruction/chat records)")
+    p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, summary)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--epochs", type=int)
+    steps.add_argument("--max-steps", type=int)
+    _add_hyperparameters(p)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--battery", default="auto", help="auto|android-sysfs|dumpsys|termux|linux|replay:TRACE.csv|none")
     p.add_argument("--slow-below", type=float, default=60.0)
@@ -209,14 +214,7 @@ def _add_eval(sub) -> None:
     q.add_argument("--data", required=True, help="training file (as for `pocketlora train`)")
     q.add_argument("--out", required=True, help="report directory (report.md, report.json, plots, both runs)")
     q.add_argument("--steps", type=int, default=200)
-    q.add_argument("--micro-batch", type=int, default=1)
-    q.add_argument("--accum", type=int, default=8)
-    q.add_argument("--lr", type=float, default=2e-4)
-    q.add_argument("--warmup", type=int, default=10)
-    q.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
-    q.add_argument("--clip", type=float, default=1.0, help="max global grad norm; 0 disables")
-    q.add_argument("--weight-decay", type=float, default=0.0)
-    q.add_argument("--seed", type=int, default=0, help="data order")
+    _add_hyperparameters(q)
     q.add_argument("--heldout", help="text file for the held-out perplexity check")
     q.add_argument("--seq-len", type=int, default=None, help="perplexity window (default: the bundle's seq_len)")
     q.add_argument("--stride", type=int, default=None, help="perplexity stride (default: min(128, seq-len))")
