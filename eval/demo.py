@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,7 +61,6 @@ def _answers(scorer, tok, questions: list[str], max_new: int) -> list[str]:
 
 
 def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | None = None, log=print) -> dict:
-    from android_runner.loop import RunConfig, train
     from artifacts_gen.build import build_bundle
     from artifacts_gen.export import LoraSettings
     from artifacts_gen.source import EMBEDDED_DEFAULT
@@ -108,10 +109,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
 
     t = _phase(log, 4, "training on the device (battery gate: replay of an evening on the charger)")
     run_dir = work / "run"
-    cfg = RunConfig(bundle=str(bundle_dir), data=str(work / "device" / "train.jsonl"), max_steps=recipe.steps,
-                    micro_batch=recipe.micro_batch, accum=recipe.accum, lr=recipe.lr, warmup=recipe.warmup,
-                    save_every=max(10, recipe.steps // 4), battery=f"replay:{TRACE}@{recipe.trace_speed:g}")
-    summary = train(cfg, run_dir, log=log, progress=True)
+    summary = _train_on_device(bundle_dir, work / "device" / "train.jsonl", run_dir, recipe, log)
     timings["train_s"] = time.time() - t
 
     t = _phase(log, 5, "after fine-tuning: held-out questions, perplexity, samples on plain onnxruntime")
@@ -150,6 +148,23 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         f"({result['ppl_rise']:+.1%}); {result['total_s']:.0f} s in all")
     log(f"report: {report}")
     return result
+
+
+def _train_on_device(bundle_dir: Path, data: Path, run_dir: Path, recipe: Recipe, log) -> dict:
+    """`pocketlora train` in its own process, as on the phone: its peak RSS is its own, and it only
+    sees the bundle and the private data. Its log lines come through here; its progress bar on stderr."""
+    from android_runner.loop import SUMMARY
+
+    cmd = [sys.executable, "-m", "pocketlora_cli", "train", "--bundle", str(bundle_dir), "--data", str(data),
+           "--out", str(run_dir), "--max-steps", str(recipe.steps), "--micro-batch", str(recipe.micro_batch),
+           "--accum", str(recipe.accum), "--lr", str(recipe.lr), "--warmup", str(recipe.warmup),
+           "--save-every", str(max(10, recipe.steps // 4)), "--battery", f"replay:{TRACE}@{recipe.trace_speed:g}"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]) as proc:
+        for line in proc.stdout:
+            log(line.rstrip())
+    if proc.returncode != 0:
+        raise RuntimeError(f"device training failed (exit {proc.returncode}): {' '.join(cmd)}")
+    return json.loads((run_dir / SUMMARY).read_text())
 
 
 def _reusable(bundle_dir: Path, model: str, lora, seq_len: int) -> bool:

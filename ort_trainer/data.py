@@ -618,7 +618,9 @@ def _parse_json_list(p: Path, text: str) -> list[tuple[int, Any]]:
 
 
 def _check_record(p: Path, lineno: int, rec: Any) -> tuple[str, list[dict] | dict]:
-    """Validate one record; returns ("instruction", fields) or ("chat", messages)."""
+    """Validate one record; returns ("instruction", fields), ("chat", messages) or ("text", text).
+    Text records ({"text": ...}: every token carries loss) may be mixed into a file of instruction or
+    chat records, e.g. general text replayed so that fine-tuning on a narrow set keeps general ability."""
     where = f"{p} line {lineno}"
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}; records are "
@@ -642,6 +644,10 @@ def _check_record(p: Path, lineno: int, rec: Any) -> tuple[str, list[dict] | dic
                 raise DataError(f'{where}: messages[{j}] "content" must be a string, got {type(m["content"]).__name__}')
             clean.append({"role": m["role"], "content": m["content"]})
         return "chat", clean
+    if "text" in rec and not ({"messages", "instruction", "output"} & set(rec)):
+        if not isinstance(rec["text"], str) or not rec["text"].strip():
+            raise DataError(f'{where}: "text" must be a non-empty string')
+        return "text", rec["text"]
     if "instruction" in rec or "output" in rec:
         for key in ("instruction", "output"):
             if key not in rec:
@@ -703,6 +709,9 @@ def _load_records(p: Path, records: list[tuple[int, Any]], tokenizer: TextTokeni
     checked = []
     for lineno, rec in records:
         k, payload = _check_record(p, lineno, rec)
+        if k == "text":
+            checked.append((lineno, ("text", payload)))
+            continue
         if kind is None:
             kind, first_line = k, lineno
         elif k != kind:
@@ -713,13 +722,19 @@ def _load_records(p: Path, records: list[tuple[int, Any]], tokenizer: TextTokeni
     warnings: list[str] = []
     templated = tokenizer.has_chat_template
     eos_missing = tokenizer.eos_id is None
-    # Every record -> list of (text, carries_loss) segments; special ids are added separately.
-    seg_lists: list[list[tuple[str, bool]]] = []
+    # Every record -> (prefix ids, list of (text, carries_loss) segments, eos after); specials added separately.
+    kind = kind or "text"
+    chat_prefix = [] if templated else tokenizer.prefix_ids
+    eos_after_output = kind == "instruction" and not templated and tokenizer.eos_id is not None
+    plans: list[tuple[list[int], list[tuple[str, bool]], bool]] = []
     for lineno, payload in checked:
         where = f"{p} line {lineno}"
+        if isinstance(payload, tuple) and payload[0] == "text":
+            plans.append((tokenizer.prefix_ids, [(payload[1], True)], False))
+            continue
         if kind == "instruction" and not templated:
-            seg_lists.append([(alpaca_prompt(payload["instruction"], payload["input"]), False),
-                              (payload["output"], True)])
+            plans.append((chat_prefix, [(alpaca_prompt(payload["instruction"], payload["input"]), False),
+                                        (payload["output"], True)], eos_after_output))
             continue
         if kind == "instruction":
             user = payload["instruction"] + ("\n\n" + payload["input"] if payload["input"] else "")
@@ -727,23 +742,21 @@ def _load_records(p: Path, records: list[tuple[int, Any]], tokenizer: TextTokeni
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": payload["output"]}]
         else:
             messages = payload
-        seg_lists.append(_chat_segments(tokenizer, where, messages))
+        plans.append((chat_prefix, _chat_segments(tokenizer, where, messages), False))
 
-    flat = [t for segs in seg_lists for t, _ in segs]
+    flat = [t for _, segs, _ in plans for t, _ in segs]
     flat_ids = iter(_encode_many(tokenizer.tok, flat, add_special_tokens=False))
-    prefix = [] if templated else tokenizer.prefix_ids
-    eos_after_output = kind == "instruction" and not templated and tokenizer.eos_id is not None
 
     examples: list[Example] = []
     truncated = dropped = tokens = label_tokens = dropped_tokens = 0
-    for segs in seg_lists:
+    for prefix, segs, eos_after in plans:
         ids: list[int] = list(prefix)
         lab: list[int] = [IGNORE_INDEX] * len(prefix)
         for _text, loss in segs:
             seg = next(flat_ids)
             ids.extend(seg)
             lab.extend(seg if loss else [IGNORE_INDEX] * len(seg))
-        if eos_after_output:
+        if eos_after:
             ids.append(tokenizer.eos_id)
             lab.append(tokenizer.eos_id)
         was_truncated = len(ids) > seq_len

@@ -632,3 +632,25 @@ def test_generation_prompt_ids_equal_the_trained_prompt(tmp_path, tok_name, shar
     (ex,), _ = load_examples(path, tok, 64)
     first_loss = int(np.argmax(ex.labels != -100))
     assert generation_prompt_ids(tok, msgs) == ex.input_ids[:first_loss].tolist()
+
+
+def test_text_records_mix_into_chat_files_with_every_token_labelled(tmp_path, shared_data):
+    """Replay: {"text": ...} records among chat records; all their tokens carry loss."""
+    from tokenizers import Tokenizer
+
+    tok = TextTokenizer.from_dir(shared_data / "tokenizers" / "gpt2")
+    ref = Tokenizer.from_file(str(shared_data / "tokenizers" / "gpt2" / "tokenizer.json"))
+    path = tmp_path / "mix.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]},
+            {"text": "The quick brown fox jumps over the lazy dog."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples, report = load_examples(path, tok, 64)
+    assert report.examples == 2
+    text_ex = examples[1]
+    assert text_ex.input_ids.tolist() == ref.encode("The quick brown fox jumps over the lazy dog.").ids
+    assert text_ex.labels.tolist() == text_ex.input_ids.tolist()
+    assert (examples[0].labels == -100).any()                       # the chat prompt stays masked
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(DataError, match="non-empty"):
+        load_examples(bad, tok, 64)
