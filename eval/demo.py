@@ -31,10 +31,11 @@ class Recipe:
     r: int = 8
     alpha: float = 16.0
     targets: str = "attn"
-    steps: int = 80
+    steps: int = 120
     micro_batch: int = 8
     accum: int = 1
     lr: float = 3e-3
+    replay: int = 50              # general-text snippets (WikiText-2 *train*) mixed in against forgetting
     warmup: int = 5
     seq_len: int = 128
     trace_speed: float = 40.0     # the 2-hour evening replays in 3 minutes
@@ -80,9 +81,11 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     timings, t_all = {}, time.time()
 
     t = _phase(log, 1, "private data on the device")
-    counts = write_device_data(work / "device")
-    log(f"{counts['records']} days of records, {counts['facts']} facts, {counts['train_examples']} training "
-        f"questions, {counts['heldout']} held-out paraphrases (never trained on)")
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
+    counts = write_device_data(work / "device", replay_text=shared / "train.txt", replay=recipe.replay)
+    log(f"{counts['records']} days of records, {counts['facts']} facts, {counts['facts'] * 3} training "
+        f"questions + {counts['replay']} general-text replay snippets, {counts['heldout']} held-out paraphrases "
+        "(never trained on)")
     timings["data_s"] = time.time() - t
 
     t = _phase(log, 2, f"bundle on the workstation ({model})")
@@ -98,7 +101,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
 
     heldout = json.loads((work / "device" / "heldout.json").read_text())
     questions = [h["question"] for h in heldout]
-    wiki = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "test.txt"
+    wiki = shared / "test.txt"
     wiki_ids = np.asarray(tokenize_text(wiki.read_text(), tok)[: recipe.ppl_tokens], dtype=np.int64)
 
     t = _phase(log, 3, "before fine-tuning (base model, ORT eval graph)")

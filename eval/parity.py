@@ -202,16 +202,8 @@ def torch_side(cfg: ParityConfig, log=print) -> dict:
 
 
 def process_peak_rss_mb() -> float:
-    """Peak resident set size of this process's address space, MiB: Linux VmHWM (reset by exec, so a
-    subprocess does not inherit its parent's figure as ru_maxrss does); elsewhere ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    from .reference import peak_rss_mb
+    """Peak RSS of this process (VmHWM; see android_runner.metrics.peak_rss_mb)."""
+    from android_runner.metrics import peak_rss_mb
 
     return peak_rss_mb()
 
