@@ -19,7 +19,7 @@ def _plots(work: Path, result: dict, run_dir: Path) -> tuple[str, str]:
         if steps:
             ax.scatter(steps, [rows[s - rows[0]["step"]]["loss"] for s in steps], s=10, color=color, label=f"gate {state}")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (answer tokens)")
+    ax.set_ylabel("training loss (labelled tokens)")
     ax.set_title("On-device LoRA training (ORT)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
@@ -50,7 +50,7 @@ def write_demo_report(work: Path, result: dict, run_dir: Path) -> Path:
         "",
         f"Model: `{result['model']}`. LoRA r={r['r']}, alpha={r['alpha']:g}, targets {r['targets']}; "
         f"{r['steps']} steps of micro-batch {r['micro_batch']} x accum {r['accum']}, lr {r['lr']:g} (cosine, "
-        f"warmup {r['warmup']}); loss on answer tokens only.",
+        f"warmup {r['warmup']}); loss on answer tokens (and on the replayed general text).",
         "",
         "| measure | before | after |",
         "|---|---|---|",
