@@ -394,23 +394,19 @@ def render_section(results: list[dict], info: dict) -> str:
         "fp32 model (4 bytes/param, kept alive until stage [4/5]) plus the traced ONNX proto, which `onnx.load` "
         "brings into memory with a second full copy of every weight (plus, for tied embeddings, the exporter's "
         "folded transposed copy of the LM head until `untie_head` drops it). On top of that come transient "
-        "copies: inside `torch.onnx.export` (stage [2/5]), the value-matching of initializers to weights, and "
-        "above all `onnx.shape_inference.infer_shapes` on the *whole in-memory proto* in "
-        "`graph_fixes.untie_head` (`_check_rank2`, stage [3/5]), which serializes the proto with all weights and "
-        "parses the result back. An instrumented run of qwen2.5-0.5b showed RSS 4.7 GiB before that call and "
-        "the process peak rising from 5.8 to 12.1 GiB inside it (most of stage [3/5]'s time); the proto "
-        "it serializes is 1.85 GiB, close to protobuf's 2 GiB limit: with more than ~2 GiB of fp32 weights that "
-        "call raises `google.protobuf.message.EncodeError: Failed to serialize proto` (checked on a synthetic "
-        "2.1 GiB proto, not on a real model). From stage [4/5] on the weights live in the shard files and RSS "
-        "drops to ~2-3 GiB (ORT loads the artifacts once to check them). For gemma3-270m, whose proto is smaller, "
-        "the peak (6.5 of 7.1 GiB) is reached inside `torch.onnx.export` instead; `infer_shapes` adds 0.6 GiB. The checkpoint-creation setup is not "
-        "measured.",
+        "copies inside `torch.onnx.export` (stage [2/5]) and the value-matching of initializers to weights. "
+        "The shape check of the untied head now runs after the weights went to the shards (stage [4/5]): "
+        "before that fix, `onnx.shape_inference.infer_shapes` serialized the whole in-memory proto with its "
+        "weights, which took qwen2.5-0.5b to a 12.04 GiB peak (now 5.77 GiB) and would fail past protobuf's "
+        "2 GiB limit for larger models. From stage [4/5] on the weights live in the shard files and RSS drops "
+        "to ~2-3 GiB (ORT loads the artifacts once to check them). For gemma3-270m the peak is reached inside "
+        "`torch.onnx.export`. The checkpoint-creation setup is not measured.",
         "- **bundle on disk**: all files of the bundle directory. It is essentially the frozen base weights in "
         "fp32 (shards) plus the ONNX graphs, which reference the shards instead of inlining weights. "
         "**shard MB**: `--shard-mb` used. A tensor never straddles two shard files, so a shard must hold the "
         "largest tensor (the embedding); the benchmark uses the CLI default 256 MB raised just enough "
-        "(`--shard-mb auto`): the default alone is refused with \"Use --shard-mb N\" for Gemma3-270M "
-        "(640 MiB embedding) and Qwen2.5-0.5B (519 MiB embedding).",
+        "(`--shard-mb auto`). With the default 256, a tensor larger than the limit (Gemma3-270M's 640 MiB and "
+        "Qwen2.5-0.5B's 519 MiB embeddings) is stored alone in its own shard, as `gen` says in its log.",
         "- **checkpoint**: `BUNDLE/checkpoint`, the ORT checkpoint state. It holds the LoRA tensors only (the "
         "base model lives in the shards), so it stays small.",
         "- **training / eval graph**: `training_model.onnx` / `eval_model.onnx` without their external data.",
