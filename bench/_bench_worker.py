@@ -1,0 +1,338 @@
+"""Child processes of bench/train_throughput.py (one measured run per process).
+
+    python bench/_bench_worker.py setup SPEC_JSON   checkpoint + bundle for one shape (cached)
+    python bench/_bench_worker.py ort   SPEC_JSON   the device path: TrainSession + train_step
+    python bench/_bench_worker.py torch SPEC_JSON   PyTorch eager + PEFT (eval.reference.reference_train)
+    python bench/_bench_worker.py gemm  SPEC_JSON   GEMM throughput on the step's matmul shapes
+
+Each prints one line "BENCH_RESULT {json}" on stdout; everything else goes to stderr.
+The `ort` worker blocks torch/transformers/peft imports (as on the device, see
+tests/test_device_imports.py), so its RSS is what a phone would see.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_TAG = "BENCH_RESULT "
+LM_LR = 2e-4
+
+
+def _emit(obj: dict) -> None:
+    print(RESULT_TAG + json.dumps(obj), flush=True)
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for ln in f:
+            k, _, v = ln.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+# Shrunk versions of the real configs for --quick (same families and vocabularies, so the same tokenizers
+# fit, except Gemma3's 262,144 which shrinks to 50,304: still >= the GPT-2 tokenizer's 50,257 it is run with).
+QUICK_OVERRIDES = {
+    "gpt2-124m": dict(n_layer=2, n_embd=64, n_head=4),
+    "gemma3-270m": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"], vocab_size=50304),
+    "qwen2.5-0.5b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, max_window_layers=2),
+}
+# The GPT-2 fallback variant (see train_throughput.GPT2_FALLBACK): the real config but n_positions 512.
+VARIANT_SUFFIX = "@npos512"
+
+
+def _source_hash() -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted((REPO / "artifacts_gen").glob("*.py")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def setup(spec: dict) -> dict:
+    """Random-weight checkpoint (bench/gen_real_shapes.make_checkpoint) + bundle (build_bundle)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    sys.path.insert(0, str(REPO))
+    import gen_real_shapes as grs
+
+    name, base = spec["name"], spec["base"]          # name may be base + VARIANT_SUFFIX
+    sub = Path(spec["subdir"])
+    sub.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((grs.CONFIGS / base / "config.json").read_text())
+    if spec["quick"]:
+        cfg.update(QUICK_OVERRIDES[base])
+    if name.endswith(VARIANT_SUFFIX):
+        cfg["n_positions"] = 512
+    # make_checkpoint reads CONFIGS/<name>/config.json and MODELS[name] (tokenizer dir): point it at
+    # our (possibly shrunk or modified) copy of the real config.
+    cfg_dir = sub / "configs" / name
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(cfg, indent=1)
+    if not (cfg_dir / "config.json").is_file() or (cfg_dir / "config.json").read_text() != text:
+        (cfg_dir / "config.json").write_text(text)
+    grs.CONFIGS = sub / "configs"
+    grs.MODELS[name] = grs.MODELS[base]
+    t0 = time.time()
+    info = grs.make_checkpoint(name, sub)
+    ckpt_s = time.time() - t0
+    ckpt = sub / f"{name}-ckpt"
+    bundle = sub / f"{name}-bundle"
+    stamp_file = sub / f"{name}-bundle.stamp"
+    stamp = json.dumps({"ckpt": (sub / f"{name}-ckpt.stamp").read_text(), "lora": spec["lora"],
+                        "seq_len": spec["seq_len"], "artifacts_gen": _source_hash()})
+    built = False
+    build_s = 0.0
+    if not (stamp_file.is_file() and stamp_file.read_text() == stamp and (bundle / "manifest.json").is_file()):
+        from artifacts_gen.build import build_bundle
+        from artifacts_gen.export import LoraSettings
+
+        stamp_file.unlink(missing_ok=True)
+        t0 = time.time()
+        res = build_bundle(ckpt, bundle, lora=LoraSettings(**spec["lora"]), seq_len=spec["seq_len"],
+                           shard_mb=grs.shard_mb_for("auto", info["largest_tensor_bytes"]), force=True,
+                           log=lambda *a: _log(*a))
+        build_s = time.time() - t0
+        _log(res.summary())
+        stamp_file.write_text(stamp)
+        built = True
+    man = json.loads((bundle / "manifest.json").read_text())
+    return {"name": name, "base": base, "ckpt": str(ckpt), "bundle": str(bundle), "config": cfg,
+            "ckpt_info": info, "checkpoint_seconds": round(ckpt_s, 1), "bundle_built": built,
+            "build_seconds": round(build_s, 1), "manifest_model": man["model"], "lora": man["lora"],
+            "shard_bytes": sum(f["bytes"] for f in man["files"] if f["role"] == "shard"),
+            "trainable_params": sum(int(__import__("math").prod(t["shape"])) for t in man["trainable"])}
+
+
+# --------------------------------------------------------------------------------------- common
+
+def _batches(spec: dict, tok, examples, micro: int, accum: int):
+    """The micro-batches android_runner/loop.py builds: DataOrder(n, seed, micro), accum of them per step."""
+    from ort_trainer.data import DataOrder, collate
+
+    order = DataOrder(len(examples), spec.get("seed", 0), micro)
+    while True:
+        yield [collate([examples[i] for i in order.next_batch()[0]], tok.pad_id) for _ in range(accum)]
+
+
+def _shapes(micro_batches) -> list[list[int]]:
+    """Per micro-batch: [B, L, real tokens, labelled tokens (shifted)]."""
+    from ort_trainer.data import loss_token_count
+
+    return [[int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1]), int(mb["attention_mask"].sum()),
+             loss_token_count(mb["labels"])] for mb in micro_batches]
+
+
+# ------------------------------------------------------------------------------------------ ORT
+
+def run_ort(spec: dict) -> dict:
+    for mod in ("torch", "transformers", "peft", "optimum"):
+        sys.modules[mod] = None          # as on the device: import fails, find_spec answers None
+    sys.path.insert(0, str(REPO))
+    t_start = time.perf_counter()
+    from ort_trainer.bundle import open_bundle
+    from ort_trainer.data import TextTokenizer, load_examples
+    from ort_trainer.session import RuntimeOptions, TrainSession
+    from ort_trainer.step import train_step
+
+    rss = {"start": _status()}
+    bundle = open_bundle(spec["bundle"], verify="sizes")
+    tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
+    examples, report = load_examples(spec["data"], tok, bundle.manifest.seq_len)
+    rss["after_data"] = _status()
+    options = RuntimeOptions(threads=spec["threads"], memory=spec.get("memory", "normal"))
+    if spec.get("profile"):
+        import dataclasses
+
+        @dataclasses.dataclass(frozen=True)
+        class Profiled(RuntimeOptions):
+            def session_options(self):
+                so = super().session_options()
+                so.enable_profiling = True
+                so.profile_file_prefix = spec["profile"]
+                return so
+
+        options = Profiled(threads=spec["threads"], memory=spec.get("memory", "normal"))
+    t0 = time.perf_counter()
+    session = TrainSession(bundle, options=options)
+    session_s = time.perf_counter() - t0
+    rss["after_session"] = _status()
+    phases = []
+    for ph in spec["phases"]:                         # normally one; the pilot runs several
+        gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
+        steps = []
+        for i in range(ph["warmup"] + ph["steps"]):
+            micro = next(gen)
+            t0, c0 = time.perf_counter(), time.process_time()
+            r = train_step(session, micro, LM_LR)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            steps.append({"i": i, "warmup": i < ph["warmup"], "seconds": r.seconds, "wall": wall, "loss": r.loss,
+                          "cpu_s": cpu, "load1": os.getloadavg()[0],
+                          "tokens": r.tokens, "label_tokens": r.label_tokens, "micro_shapes": _shapes(micro),
+                          "rss": _status()["VmRSS"]})
+            _log(f"ort {ph['micro']}x{ph['accum']} step {i}: {r.seconds:.2f} s loss {r.loss:.4f} "
+                 f"rss {steps[-1]['rss'] / 2**20:.0f} MiB")
+        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps})
+    rss["end"] = _status()
+    del session
+    return {"backend": "ort", "memory": spec.get("memory", "normal"), "phases": phases,
+            "session_seconds": round(session_s, 2), "total_seconds": round(time.perf_counter() - t_start, 2),
+            "data": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens},
+            "rss": rss, "self_maxrss": _maxrss(),
+            "torch_loaded": any(m.split(".")[0] == "torch" and v is not None for m, v in sys.modules.items())}
+
+
+# ---------------------------------------------------------------------------------------- torch
+
+def run_torch(spec: dict) -> dict:
+    sys.path.insert(0, str(REPO))
+    t_start = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    from transformers import AutoModelForCausalLM
+
+    from eval.reference import TrainConfig, make_peft_model, reference_train
+    from ort_trainer.data import TextTokenizer, load_examples
+
+    rss = {"start": _status()}
+    man = json.loads((Path(spec["bundle"]) / "manifest.json").read_text())
+    tok = TextTokenizer.from_dir(Path(spec["bundle"]) / "tokenizer")    # the very same examples as ORT
+    examples, report = load_examples(spec["data"], tok, man["seq_len"])
+    rss["after_data"] = _status()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32)
+    attn = model.config._attn_implementation
+    lora = man["lora"]
+    peft_model = make_peft_model(model, r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
+                                 target_modules=lora["target_modules"], fan_in_fan_out=lora["fan_in_fan_out"])
+    load_s = time.perf_counter() - t0
+    rss["after_model"] = _status()
+    ph = spec["phases"][0]
+    total = ph["warmup"] + ph["steps"]
+    gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
+    steps: list[dict] = []
+
+    def step_iter():
+        for i in range(total):
+            micro = next(gen)
+            steps.append({"i": i, "warmup": i < ph["warmup"], "micro_shapes": _shapes(micro),
+                          "tokens": int(sum(int(m["attention_mask"].sum()) for m in micro)),
+                          "label_tokens": sum(s[3] for s in _shapes(micro)), "t0": time.perf_counter(),
+                          "c0": time.process_time()})
+            yield micro
+
+    def progress(step, total_steps, loss):
+        s = steps[step - 1]
+        s["seconds"] = time.perf_counter() - s.pop("t0")
+        s["cpu_s"] = time.process_time() - s.pop("c0")
+        s["load1"] = os.getloadavg()[0]
+        s["wall"] = s["seconds"]
+        s["loss"] = loss
+        s["rss"] = _status()["VmRSS"]
+        _log(f"torch {ph['micro']}x{ph['accum']} step {step - 1}: {s['seconds']:.2f} s loss {loss:.4f} "
+             f"rss {s['rss'] / 2**20:.0f} MiB")
+
+    cfg = TrainConfig(lr=LM_LR, warmup=0, schedule="constant", total_steps=total, clip=1.0)
+    run = reference_train(peft_model, step_iter(), cfg, progress=progress)
+    rss["end"] = _status()
+    return {"backend": "torch", "attn_implementation": attn, "torch_threads": torch.get_num_threads(),
+            "phases": [{"micro": ph["micro"], "accum": ph["accum"], "steps": steps}],
+            "load_seconds": round(load_s, 2), "total_seconds": round(time.perf_counter() - t_start, 2),
+            "data": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens},
+            "rss": rss, "self_maxrss": _maxrss(), "reference_peak_rss_mb": run.peak_rss_mb}
+
+
+# ----------------------------------------------------------------------------------------- GEMM
+
+def run_gemm(spec: dict) -> dict:
+    """float32 [M, K] x [K, N] on numpy (OpenBLAS) and on an ORT MatMul with the weight as an
+    initializer (prepacked, as the device's frozen weights are in normal mode); best and median of
+    repeats after one warm-up."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    threads = spec["threads"]
+    min_time = spec.get("min_time", 0.6)
+    rng = np.random.default_rng(0)
+    out = []
+
+    def timeit(fn):
+        fn()
+        ts = []
+        t_end = time.perf_counter() + min_time
+        while len(ts) < 3 or (time.perf_counter() < t_end and len(ts) < 20):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    for m, k, n, trans_b in spec["shapes"]:
+        # trans_b: the weight is stored [N, K] and used transposed, as the bundle's LM head
+        # (Gemm(h, E, transB=1) on the embedding, see artifacts_gen/graph_fixes.untie_head).
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        w = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32) * 0.02
+        flops = 2.0 * m * k * n
+        rec = {"m": m, "k": k, "n": n, "trans_b": bool(trans_b), "gflop": flops / 1e9}
+        ts = timeit((lambda: a @ w.T) if trans_b else (lambda: a @ w))
+        rec["numpy_gflops_best"] = flops / min(ts) / 1e9
+        rec["numpy_gflops_median"] = flops / float(np.median(ts)) / 1e9
+        node = (helper.make_node("Gemm", ["x", "w"], ["y"], transB=1) if trans_b
+                else helper.make_node("MatMul", ["x", "w"], ["y"]))
+        graph = helper.make_graph(
+            [node], "mm",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+            [onnx.numpy_helper.from_array(w, "w")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        ts = timeit(lambda: sess.run(None, {"x": a}))
+        rec["ort_gflops_best"] = flops / min(ts) / 1e9
+        rec["ort_gflops_median"] = flops / float(np.median(ts)) / 1e9
+        del sess, model, graph, a, w
+        _log(f"gemm {m}x{k}x{n}: numpy {rec['numpy_gflops_median']:.1f}, ORT {rec['ort_gflops_median']:.1f} GFLOP/s (median)")
+        out.append(rec)
+    return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__, "shapes": out}
+
+
+def main() -> int:
+    kind, spec = sys.argv[1], json.loads(sys.argv[2])
+    if spec.get("wait_stdin"):
+        sys.stdin.readline()        # the parent moves us into a cgroup first; nothing loaded yet
+    fn = {"setup": setup, "ort": run_ort, "torch": run_torch, "gemm": run_gemm}[kind]
+    _emit(fn(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
