@@ -786,7 +786,7 @@ def _best_key(entry: dict) -> str:
     return next(k for k in entry["configs"] if k.startswith("ort-best"))
 
 
-def judge(payload: dict) -> list[tuple[str, bool | None, str]]:
+def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     """(target, met?, evidence) for each target of the issue."""
     res = [r for r in payload["results"] if r.get("ok")]
     out = []
@@ -815,6 +815,23 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:
             out.append((f"peak RSS {shape} ({key_name}) <= {lim / 1e9:.1f} GB", peak <= lim,
                         f"{peak / 1e9:.2f} GB ({_mib(peak)} MiB, {where})"))
             out.append((f"peak RSS {shape} ({key_name}) <= {TARGET_RSS_VS_TORCH}x PyTorch", peak <= TARGET_RSS_VS_TORCH * t_peak,
+                        f"{peak / t_peak:.2f}x ({_mib(peak)} vs {_mib(t_peak)} MiB)"))
+    lean: dict[str, list] = {}
+    for r in res:
+        q = next((q for q in r.get("pilot") or [] if (q["micro"], q["accum"]) == (1, EFFECTIVE_BATCH)), None)
+        if q:
+            lean.setdefault(r["shape"], []).append((q["rss_end"], f"{r['workload']}, VmRSS sample after the pilot's 1x8 steps"))
+    lmem = payload.get("lowmem")
+    if lmem and lmem["normal"].get("completed"):
+        lean.setdefault(lmem["shape"], []).append((lmem["normal"]["peak_rss"], "lm, peak of the low-memory section's normal-mode run"))
+    for shape, vals in lean.items():
+        peak, where = max(vals)
+        wls = by_shape.get(shape, {})
+        t_peak = max((w["configs"]["torch-8x1"]["peak_rss"] for w in wls.values() if w["configs"]["torch-8x1"].get("ok")), default=0)
+        out.append((f"peak RSS {shape} (ort-1x8, the memory-lean setting) <= {TARGET_RSS[shape] / 1e9:.1f} GB",
+                    peak <= TARGET_RSS[shape], f"{peak / 1e9:.2f} GB ({_mib(peak)} MiB; {where})"))
+        if t_peak:
+            out.append((f"peak RSS {shape} (ort-1x8) <= {TARGET_RSS_VS_TORCH}x PyTorch", peak <= TARGET_RSS_VS_TORCH * t_peak,
                         f"{peak / t_peak:.2f}x ({_mib(peak)} vs {_mib(t_peak)} MiB)"))
     for r in res:
         for key in ("ort-8x1", _best_key(r)):
@@ -1028,6 +1045,18 @@ def render_analysis(p: dict) -> list[str]:
             lines.append(f"| {r['shape']} | {r['workload']} | {key} | {_mib(st['start']['VmRSS'])} | "
                          f"{_mib(st['after_data']['VmRSS'])} | {_mib(mid.get('VmRSS', 0))} | {_mib(end.get('VmRSS', 0))} "
                          f"({_mib(end.get('RssAnon', 0))} / {_mib(end.get('RssFile', 0))}) | {_mib(c['peak_rss'])} |")
+    pil = [r for r in p["results"] if r.get("ok") and r.get("pilot")]
+    if pil:
+        lines += ["", "ORT VmRSS after the pilot's steps (one process running 1x8, then 2x4, then 4x2; only the first, "
+                  "1x8, is free of the earlier settings' allocations; a sample after a step, not the peak): "
+                  + "; ".join(f"{r['shape']} {r['workload']}: " + ", ".join(
+                      f"{q['micro']}x{q['accum']} {_mib(q['rss_end'])} MiB" for q in r["pilot"]) for r in pil) + "."]
+    lm = p.get("lowmem")
+    if lm and lm["normal"].get("completed"):
+        smp = lm["normal"]["sampled"]
+        lines += ["", f"{lm['shape']} at micro-batch 1 x accum 8 in its own process (the low-memory section's normal-mode "
+                  f"run): peak {_mib(lm['normal']['peak_rss'])} MiB, of which at most {_mib(smp.get('RssAnon', 0))} MiB "
+                  f"anonymous and {_mib(smp.get('RssFile', 0))} MiB file-backed (the memory-mapped weight shards)."]
     prof = p.get("profile")
     if prof:
         lines += ["", "### Where the ORT step's time goes (ORT profiler)", "",
