@@ -140,7 +140,7 @@ def _eval_ppl(args) -> None:
 
     result = run_ppl(args.bundle, args.data, run=args.run, peft=args.peft, seq_len=args.seq_len, stride=args.stride,
                      max_tokens=args.max_tokens, backend=args.backend, threads=args.threads,
-                     batch_size=args.batch_size)
+                     batch_size=args.batch_size, bos_per_window=args.bos_per_window)
     print_ppl(result)
     write_json(result, args.out)
 
@@ -195,6 +195,9 @@ def _add_eval(sub) -> None:
     q.add_argument("--seq-len", type=int, default=None, help="window length (default: the bundle's seq_len)")
     q.add_argument("--stride", type=int, default=None, help="window step (default: min(128, seq-len))")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
+    q.add_argument("--bos-per-window", action="store_true",
+                   help="start every window with the tokenizer's BOS (for models always trained with one, e.g. "
+                        "Gemma); default: HF's definition, BOS once at the start of the file")
     q.set_defaults(func=_eval_ppl)
 
     q = verbs.add_parser("mmlu", help="k-shot MMLU accuracy from next-token logits over ' A'..' D'")

@@ -41,6 +41,15 @@ def _status() -> dict[str, int]:
     return out
 
 
+def _reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux: '5' > /proc/self/clear_refs); harmless where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -179,6 +188,7 @@ def run_ort(spec: dict) -> dict:
     rss["after_session"] = _status()
     phases = []
     for ph in spec["phases"]:                         # normally one; the pilot runs several
+        _reset_peak()                                 # so each phase's VmHWM is its own (the first is clean)
         gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
         steps = []
         for i in range(ph["warmup"] + ph["steps"]):
@@ -192,7 +202,7 @@ def run_ort(spec: dict) -> dict:
                           "rss": _status()["VmRSS"]})
             _log(f"ort {ph['micro']}x{ph['accum']} step {i}: {r.seconds:.2f} s loss {r.loss:.4f} "
                  f"rss {steps[-1]['rss'] / 2**20:.0f} MiB")
-        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps})
+        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps, "hwm": _status()["VmHWM"]})
     rss["end"] = _status()
     del session
     return {"backend": "ort", "memory": spec.get("memory", "normal"), "phases": phases,

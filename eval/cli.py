@@ -101,16 +101,27 @@ def make_scorer(bundle: Bundle, lora: dict[str, np.ndarray], backend: str, threa
     raise ValueError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
 
 
-def ppl_settings(bundle: Bundle, seq_len: int | None, stride: int | None) -> tuple[int, int]:
-    """seq_len defaults to the bundle's block length; stride to min(128, seq_len)."""
+def ppl_settings(bundle: Bundle, seq_len: int | None, stride: int | None, prefix_len: int = 0) -> tuple[int, int]:
+    """seq_len defaults to the bundle's block length; stride to min(128, the text tokens a window holds)."""
     man = bundle.manifest
     seq_len = int(seq_len or man.seq_len)
     if seq_len > man.model.max_positions:
         raise ValueError(f"--seq-len {seq_len} is above the model's {man.model.max_positions} positions")
-    stride = int(stride or min(DEFAULT_STRIDE, seq_len))
-    if not 1 <= stride <= seq_len:
-        raise ValueError(f"--stride {stride} must be in [1, seq_len={seq_len}]")
+    room = seq_len - prefix_len
+    stride = int(stride or min(DEFAULT_STRIDE, room))
+    if not 1 <= stride <= room:
+        raise ValueError(f"--stride {stride} must be in [1, {room}] (seq_len {seq_len}"
+                         + (f" minus the {prefix_len} BOS token(s) of each window)" if prefix_len else ")"))
     return seq_len, stride
+
+
+def bos_windows(ids: np.ndarray, tok: TextTokenizer) -> tuple[np.ndarray, list[int]]:
+    """(text stream without its leading special prefix, that prefix): for perplexity(prefix=...), so
+    that every window starts with the tokenizer's BOS. Raises if the tokenizer adds no BOS."""
+    prefix = list(tok.prefix_ids)
+    if not prefix:
+        raise ValueError("--bos-per-window: this tokenizer adds no BOS token; use the default definition")
+    return ids[len(prefix):], prefix
 
 
 def mmlu_max_len(bundle: Bundle) -> int:
@@ -136,17 +147,20 @@ def _progress(label: str, quiet: bool):
 # The verbs
 # --------------------------------------------------------------------------------------------
 def run_ppl(bundle, data, *, run=None, peft=None, seq_len=None, stride=None, max_tokens=None,
-            backend="ort", threads=0, batch_size=8, quiet=False) -> dict:
+            backend="ort", threads=0, batch_size=8, quiet=False, bos_per_window=False) -> dict:
     bundle = as_bundle(bundle)
     lora, weights = resolve_lora(bundle, run, peft)
-    seq_len, stride = ppl_settings(bundle, seq_len, stride)
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     ids = text_token_ids(data, tok, max_tokens)
+    prefix: list[int] = []
+    if bos_per_window:
+        ids, prefix = bos_windows(ids, tok)
+    seq_len, stride = ppl_settings(bundle, seq_len, stride, len(prefix))
     scorer = make_scorer(bundle, lora, backend, threads)
     t0 = time.perf_counter()
     res: PerplexityResult = perplexity(scorer, ids, seq_len, stride, _progress("windows", quiet),
-                                       batch_size=batch_size, pad_id=tok.pad_id)
-    return {"ppl": res.ppl, "tokens": res.tokens, "windows": res.windows, "seq_len": res.seq_len,
+                                       batch_size=batch_size, pad_id=tok.pad_id, prefix=prefix)
+    return {"ppl": res.ppl, "bos_per_window": bool(prefix), "tokens": res.tokens, "windows": res.windows, "seq_len": res.seq_len,
             "stride": res.stride, "nll_sum": res.nll_sum, "text_tokens": int(len(ids)), "data": str(data),
             "backend": backend, "weights": weights, "bundle": str(bundle.path),
             "seconds": round(time.perf_counter() - t0, 3)}
@@ -187,7 +201,8 @@ def write_json(result: dict, out: str | Path | None) -> None:
 
 def print_ppl(r: dict) -> None:
     print(f"perplexity {r['ppl']:.4f} over {r['tokens']} scored tokens ({r['windows']} windows, seq_len "
-          f"{r['seq_len']}, stride {r['stride']}; {r['backend']}, {r['weights']})")
+          f"{r['seq_len']}, stride {r['stride']}{', BOS per window' if r.get('bos_per_window') else ''}; "
+          f"{r['backend']}, {r['weights']})")
 
 
 def print_mmlu(r: dict) -> None:

@@ -92,6 +92,7 @@ def perplexity(
     *,
     batch_size: int = 8,
     pad_id: int = 0,
+    prefix: Sequence[int] = (),
 ) -> PerplexityResult:
     """Sliding-window perplexity of one token stream, HF's perplexity guide with exact sums.
 
@@ -99,11 +100,19 @@ def perplexity(
     positions set to -100 (trg_len = end - previous end). With the shift, a window scores
     (labels[1:] != -100).sum() tokens; ppl = exp(total NLL / total scored tokens).
     Windows are scored `batch_size` at a time, right-padded (mask 0, label -100).
+
+    `prefix` (e.g. [BOS]): tokens put in front of every window and never scored; the windows then
+    slide over `token_ids` with seq_len - len(prefix) text tokens each. For models trained with a BOS
+    on every sequence (Gemma), HF's definition scores all windows after the first without it, which
+    is a different regime; `prefix=[bos]` with the stream's own leading BOS removed measures the model
+    as it is used. Both are reported where it matters (docs/EVALUATION.md).
     """
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    pre = np.asarray(list(prefix), dtype=np.int64)
     n = int(ids.shape[0])
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if seq_len - len(pre) < 2:
+        raise ValueError(f"seq_len must be >= len(prefix) + 2, got {seq_len} with a prefix of {len(pre)}")
+    seq_len -= len(pre)
     if not 1 <= stride <= seq_len:
         raise ValueError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
     if n < 2:
@@ -122,6 +131,9 @@ def perplexity(
             window = ids[begin:end]
             labels = window.copy()
             labels[: len(window) - trg_len] = IGNORE_INDEX   # == labels[:-trg_len] when trg_len < len
+            if len(pre):
+                window = np.concatenate([pre, window])
+                labels = np.concatenate([np.full(len(pre), IGNORE_INDEX, dtype=np.int64), labels])
             rows.append(window)
             label_rows.append(labels)
         input_ids, attention_mask, labels = pad_right(rows, pad_id, label_rows)
@@ -136,7 +148,7 @@ def perplexity(
             progress(done, len(windows))
     return PerplexityResult(
         ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens,
-        windows=len(windows), seq_len=seq_len, stride=stride,
+        windows=len(windows), seq_len=seq_len + len(pre), stride=stride,
     )
 
 

@@ -27,7 +27,7 @@ def test_demo_pipeline_on_a_tiny_model(tmp_path, shared_data):
     rows = (work / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]
     saved = json.loads((work / "result.json").read_text())
-    assert saved["heldout"] == 33 and 0 <= saved["accuracy_after"] <= 1 and saved["ppl_before"] > 1
+    assert saved["heldout"] == 33 and 0 <= saved["accuracy_after"] <= 1 and saved["ppl_before"]["hf"] > 1
     assert len(saved["samples"]) == 5 and all(isinstance(s["tuned_standalone_onnx"], str) for s in saved["samples"])
     ort.InferenceSession(str(work / "export" / "model.onnx"), providers=["CPUExecutionProvider"])
     assert "Sample answers" in (work / "report.md").read_text()

@@ -169,6 +169,23 @@ def test_perplexity_batching_does_not_matter(scorer):
     assert a.nll_sum == pytest.approx(b.nll_sum, rel=1e-5)
 
 
+def test_perplexity_with_bos_per_window(model, scorer):
+    """prefix=[BOS]: disjoint chunks of 31 text tokens, each scored after a BOS, by hand."""
+    bos = 1
+    ids = np.random.default_rng(8).integers(2, VOCAB, 100).astype(np.int64)
+    res = perplexity(scorer, ids, 32, 31, batch_size=3, prefix=[bos])
+    nll, tokens = 0.0, 0
+    for begin in range(0, len(ids), 31):
+        chunk = ids[begin:begin + 31]
+        logp = log_softmax64(model_logits(model, np.concatenate([[bos], chunk])))[0]
+        nll -= sum(logp[t, chunk[t]] for t in range(len(chunk)))    # position t predicts chunk[t]
+        tokens += len(chunk)
+    assert (res.tokens, res.windows, res.seq_len) == (len(ids), 4, 32) and tokens == len(ids)
+    assert res.nll_sum == pytest.approx(nll, rel=1e-5)
+    with pytest.raises(ValueError):           # stride above the 31 text tokens a window holds
+        perplexity(scorer, ids, 32, 32, prefix=[bos])
+
+
 def test_perplexity_rejects_bad_stride(scorer):
     with pytest.raises(ValueError):
         perplexity(scorer, np.arange(50), 16, 17)
