@@ -737,7 +737,7 @@ def measure_gemm(dims: dict, sub: Path, quick: bool, when: str) -> dict[str, lis
     gemm: dict[str, list[dict]] = {}
     for name, d in dims.items():
         log(f"GEMM throughput ({when}), {name} shapes")
-        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "min_time": 0.02 if quick else 0.4},
+        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "min_time": 0.02 if quick else 0.25},
                       sub / f"{name}-gemm-{when}.log", timeout=900)
         gemm[name] = g.result["shapes"] if g.ok else []
         if not g.ok:
