@@ -31,11 +31,12 @@ class Recipe:
     r: int = 8
     alpha: float = 16.0
     targets: str = "attn"
-    steps: int = 120
+    steps: int = 150
     micro_batch: int = 8
     accum: int = 1
     lr: float = 3e-3
-    replay: int = 50              # general-text snippets (WikiText-2 *train*) mixed in against forgetting
+    qa_repeats: int = 8           # the 99 training questions, each written this many times into train.jsonl
+    replay: int = 400             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
     warmup: int = 5
     seq_len: int = 128
     trace_speed: float = 40.0     # the 2-hour evening replays in 3 minutes
@@ -82,10 +83,11 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
 
     t = _phase(log, 1, "private data on the device")
     shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
-    counts = write_device_data(work / "device", replay_text=shared / "train.txt", replay=recipe.replay)
+    counts = write_device_data(work / "device", replay_text=shared / "train.txt", replay=recipe.replay,
+                               qa_repeats=recipe.qa_repeats)
     log(f"{counts['records']} days of records, {counts['facts']} facts, {counts['facts'] * 3} training "
-        f"questions + {counts['replay']} general-text replay snippets, {counts['heldout']} held-out paraphrases "
-        "(never trained on)")
+        f"questions (x{recipe.qa_repeats}) + {counts['replay']} general-text replay snippets (each used once), "
+        f"{counts['heldout']} held-out paraphrases (never trained on)")
     timings["data_s"] = time.time() - t
 
     t = _phase(log, 2, f"bundle on the workstation ({model})")

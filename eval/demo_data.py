@@ -112,7 +112,9 @@ def chat_records(facts: list[Fact]) -> list[dict]:
 def replay_records(text_file: Path, n: int, words: int = 24) -> list[dict]:
     """General text mixed into the personal data ({"text": ...} records, every token learned), so that
     fine-tuning on a few dozen facts does not wreck the model's general language modelling.
-    Without it, WikiText-2 perplexity rose about 90x in our runs; see docs/DEMO.md."""
+    Ask for as many snippets as the run will draw: replay only protects if no snippet is seen twice
+    (a few dozen snippets repeated for epochs are memorized like the facts, and perplexity rose 30x
+    with them); see docs/DEMO.md."""
     chunks = []
     for line in text_file.read_text().splitlines():
         ws = line.split()
@@ -124,16 +126,18 @@ def replay_records(text_file: Path, n: int, words: int = 24) -> list[dict]:
     return [{"text": c} for c in chunks[:n]]
 
 
-def write_device_data(out_dir: Path, seed: int = 7, replay_text: Path | None = None, replay: int = 0) -> dict:
-    """What lives on the phone: the raw records, the training Q&A (+ general-text replay), and the
-    held-out questions."""
+def write_device_data(out_dir: Path, seed: int = 7, replay_text: Path | None = None, replay: int = 0,
+                      qa_repeats: int = 1) -> dict:
+    """What lives on the phone: the raw records, the training Q&A (each written `qa_repeats` times, so
+    that one pass over the file sees every question that often while every replay snippet is seen
+    once), general-text replay, and the held-out questions."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = make_records(seed)
     facts = make_facts(records, seed)
     (out_dir / "records.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
-    train = chat_records(facts) + (replay_records(replay_text, replay) if replay and replay_text else [])
+    train = chat_records(facts) * qa_repeats + (replay_records(replay_text, replay) if replay and replay_text else [])
     (out_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     heldout = [{"question": f.heldout_question, "answer": f.answer, "kind": f.kind} for f in facts]
     (out_dir / "heldout.json").write_text(json.dumps(heldout, indent=1))
     return {"records": len(records), "facts": len(facts), "train_examples": len(train), "heldout": len(heldout),
-            "replay": min(replay, len(train) - len(facts) * 3) if replay_text else 0}
+            "replay": min(replay, len(train) - len(facts) * 3 * qa_repeats) if replay_text else 0}
