@@ -419,21 +419,18 @@ def render_section(results: list[dict], info: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(section: str) -> None:
-    """Replace only our section (from its heading to the next '## ' heading), or append it."""
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n\n"
+def replace_doc_section(doc: Path, heading: str, section: str) -> None:
+    """Replace only the section starting at the line `heading` (up to the next '# '/'## ' heading outside
+    code fences) with `section`, or append it; the rest of the document is kept as it is."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == SECTION), None)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == heading), None)
+    section = section.rstrip("\n") + "\n"
     if start is None:
-        if not text.endswith("\n"):
-            text += "\n"
-        if not text.endswith("\n\n"):
-            text += "\n"
-        DOC.write_text(text + section)
+        doc.write_text(text.rstrip("\n") + "\n\n" + section)
         return
-    end = start + 1
-    in_fence = False
+    end, in_fence = start + 1, False
     while end < len(lines):
         ln = lines[end]
         if ln.lstrip().startswith("```"):
@@ -442,7 +439,11 @@ def write_doc(section: str) -> None:
             break
         end += 1
     tail = lines[end:]
-    DOC.write_text("".join(lines[:start]) + section + ("\n" if tail else "") + "".join(tail))
+    doc.write_text("".join(lines[:start]) + section + ("\n" if tail else "") + "".join(tail))
+
+
+def write_doc(section: str) -> None:
+    replace_doc_section(DOC, SECTION, section)
 
 
 def main(argv=None) -> int:

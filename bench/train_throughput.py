@@ -1151,24 +1151,7 @@ def make_plot(p: dict, path: Path) -> None:
 
 
 def write_doc(section: str) -> None:
-    """Replace only our section (from its heading to the next '## ' heading outside code fences), or append it."""
-    text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == SECTION), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n"
-        DOC.write_text(text + section.rstrip("\n") + "\n")
-        return
-    end, in_fence = start + 1, False
-    while end < len(lines):
-        ln = lines[end]
-        if ln.lstrip().startswith("```"):
-            in_fence = not in_fence
-        elif not in_fence and (ln.startswith("## ") or ln.startswith("# ")):
-            break
-        end += 1
-    tail = lines[end:]
-    DOC.write_text("".join(lines[:start]) + section.rstrip("\n") + "\n" + ("\n" if tail else "") + "".join(tail))
+    grs.replace_doc_section(DOC, SECTION, section)
 
 
 if __name__ == "__main__":
