@@ -31,12 +31,13 @@ class Recipe:
     r: int = 8
     alpha: float = 16.0
     targets: str = "attn"
-    steps: int = 150
+    steps: int = 200
     micro_batch: int = 8
     accum: int = 1
     lr: float = 3e-3
-    qa_repeats: int = 8           # the 99 training questions, each written this many times into train.jsonl
+    qa_repeats: int = 12          # the 99 training questions, each written this many times into train.jsonl
     replay: int = 400             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
+    replay_words: int = 12        # words per snippet: short snippets keep the 262k-vocabulary head's cost low
     warmup: int = 5
     seq_len: int = 128
     trace_speed: float = 40.0     # the 2-hour evening replays in 3 minutes
@@ -84,7 +85,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     t = _phase(log, 1, "private data on the device")
     shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2"
     counts = write_device_data(work / "device", replay_text=shared / "train.txt", replay=recipe.replay,
-                               qa_repeats=recipe.qa_repeats)
+                               qa_repeats=recipe.qa_repeats, replay_words=recipe.replay_words)
     log(f"{counts['records']} days of records, {counts['facts']} facts, {counts['facts'] * 3} training "
         f"questions (x{recipe.qa_repeats}) + {counts['replay']} general-text replay snippets (each used once), "
         f"{counts['heldout']} held-out paraphrases (never trained on)")

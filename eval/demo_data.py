@@ -127,7 +127,7 @@ def replay_records(text_file: Path, n: int, words: int = 24) -> list[dict]:
 
 
 def write_device_data(out_dir: Path, seed: int = 7, replay_text: Path | None = None, replay: int = 0,
-                      qa_repeats: int = 1) -> dict:
+                      qa_repeats: int = 1, replay_words: int = 24) -> dict:
     """What lives on the phone: the raw records, the training Q&A (each written `qa_repeats` times, so
     that one pass over the file sees every question that often while every replay snippet is seen
     once), general-text replay, and the held-out questions."""
@@ -135,7 +135,7 @@ def write_device_data(out_dir: Path, seed: int = 7, replay_text: Path | None = N
     records = make_records(seed)
     facts = make_facts(records, seed)
     (out_dir / "records.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
-    train = chat_records(facts) * qa_repeats + (replay_records(replay_text, replay) if replay and replay_text else [])
+    train = chat_records(facts) * qa_repeats + (replay_records(replay_text, replay, replay_words) if replay and replay_text else [])
     (out_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     heldout = [{"question": f.heldout_question, "answer": f.answer, "kind": f.kind} for f in facts]
     (out_dir / "heldout.json").write_text(json.dumps(heldout, indent=1))
