@@ -73,6 +73,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     from ort_trainer.export import export_onnx, load_lora
     from ort_trainer.session import EvalSession
 
+    from .cli import bos_windows
     from .metrics import perplexity
     from .ort_scorer import OrtScorer
 
@@ -113,8 +114,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         hf = perplexity(scorer, wiki_ids, recipe.seq_len, recipe.seq_len)
         out = {"hf": hf.ppl, "hf_tokens": hf.tokens}
         if tok.prefix_ids:
-            n = len(tok.prefix_ids)
-            bos = perplexity(scorer, wiki_ids[n:], recipe.seq_len, recipe.seq_len - n, prefix=tok.prefix_ids)
+            body, prefix = bos_windows(wiki_ids, tok)
+            bos = perplexity(scorer, body, recipe.seq_len, recipe.seq_len - len(prefix), prefix=prefix)
             out.update(bos=bos.ppl, bos_tokens=bos.tokens)
         return out
 
