@@ -48,7 +48,7 @@ def _train(args) -> None:
         bundle=str(args.bundle), data=str(args.data), epochs=args.epochs, max_steps=args.max_steps,
         micro_batch=args.micro_batch, accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
         clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
-        save_every=args.save_every, battery=args.battery, gate=asdict(gate), threads=args.threads, memory=args.memory,
+        group_by_length=args.group_by_length, save_every=args.save_every, battery=args.battery, gate=asdict(gate), threads=args.threads, memory=args.memory,
     )
     train(cfg, args.out)
 
@@ -74,6 +74,8 @@ def _add_train(sub) -> None:
     steps.add_argument("--epochs", type=int)
     steps.add_argument("--max-steps", type=int)
     _add_hyperparameters(p)
+    p.add_argument("--group-by-length", action="store_true",
+                   help="micro-batches of examples of similar length (less padding; for mixed short/long data)")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--battery", default="auto", help="auto|android-sysfs|dumpsys|termux|linux|replay:TRACE.csv|none")
     p.add_argument("--slow-below", type=float, default=60.0)

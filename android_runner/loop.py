@@ -49,6 +49,7 @@ class RunConfig:
     clip: float | None = 1.0
     weight_decay: float = 0.0
     seed: int = 0
+    group_by_length: bool = False   # micro-batches of similar lengths (DataOrder lengths=): less padding
     save_every: int = 50
     # Not part of the training's definition: may change between resumes.
     battery: str = "auto"
@@ -57,7 +58,7 @@ class RunConfig:
     memory: str = "normal"
 
     FIXED = ("bundle", "data", "epochs", "max_steps", "micro_batch", "accum", "lr", "warmup", "schedule",
-             "clip", "weight_decay", "seed")
+             "clip", "weight_decay", "seed", "group_by_length")
 
     def validate(self) -> None:
         if (self.epochs is None) == (self.max_steps is None):
@@ -80,8 +81,8 @@ def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
         path.write_text(json.dumps(asdict(cfg), indent=1))
         return cfg, False
     saved = json.loads(path.read_text())
-    for name in RunConfig.FIXED:
-        if getattr(cfg, name) != saved.get(name):
+    for name in RunConfig.FIXED:   # a setting added later is absent from older runs: its default applies
+        if getattr(cfg, name) != saved.get(name, getattr(RunConfig, name, None)):
             raise RunError(
                 f"{run_dir} was started with {name}={saved.get(name)!r}, not {getattr(cfg, name)!r}. "
                 f"To resume, repeat the original settings; to change them, train into a new --out."
@@ -122,7 +123,8 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     examples, report = load_examples(cfg.data, tok, man.seq_len)
     log(report.summary())
-    order = DataOrder(len(examples), cfg.seed, cfg.micro_batch)
+    order = DataOrder(len(examples), cfg.seed, cfg.micro_batch,
+                      lengths=[len(e.input_ids) for e in examples] if cfg.group_by_length else None)
     steps_per_epoch = max(1, order.steps_per_epoch() // cfg.accum)
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
 

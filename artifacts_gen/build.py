@@ -84,6 +84,29 @@ def _cwd(path: Path):
         os.chdir(old)
 
 
+@contextlib.contextmanager
+def _native_stderr_to(log_path: Path):
+    """Send fd 2 to `log_path` while ORT's C++ gradient builder runs: it logs every graph transformer at
+    INFO level whatever the Python-side severity, ~350 lines per build. On failure the log's tail is
+    appended to the error, so nothing is hidden."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log_path, "wb") as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            except Exception as e:
+                os.dup2(saved, 2)
+                tail = log_path.read_text(errors="replace").splitlines()[-20:]
+                raise RuntimeError(f"{e}\nORT's native log ({log_path.name}), last lines:\n" + "\n".join(tail)) from e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for pkg in ("pocketlora", "torch", "transformers", "peft", "onnx", "onnxruntime-training-cpu", "optimum-onnx"):
@@ -232,7 +255,8 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     logits = [o for o in forward.graph.output if o.name == "logits"]
     del forward.graph.output[:]
     forward.graph.output.extend(outputs)
-    with _cwd(stage):   # external data locations are relative to the staging directory
+    log_path = stage / "ort-native.log"   # removed below; on failure with the staging directory
+    with _cwd(stage), _native_stderr_to(log_path):   # external data locations are relative to the staging dir
         artifacts.generate_artifacts(
             forward,
             requires_grad=requires_grad,
@@ -241,6 +265,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
             optimizer=None,
             artifact_directory=".",
         )
+    log_path.unlink(missing_ok=True)
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
     eval_path = stage / mf.EVAL_MODEL
     eval_model = onnx.load(str(eval_path), load_external_data=False)

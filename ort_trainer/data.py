@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -809,11 +810,20 @@ class DataOrder:
     examples. Epochs roll over without end. The state (``epoch``, ``position`` = examples already
     taken in the current epoch) always points at the next micro-batch, so after the last batch of
     an epoch it reads ``epoch + 1, position 0``.
+
+    ``lengths`` (token count per example) turns on length grouping, as transformers'
+    ``group_by_length``: the epoch's permutation is cut into mega-batches of ``GROUP_BATCHES``
+    micro-batches, each sorted by length (longest first) and cut into micro-batches whose order is
+    then shuffled with the same generator. A micro-batch is padded to its longest example, so
+    mixing 20- and 120-token examples otherwise spends most of the step on padding. The grouped
+    order is still a pure function of (seed, epoch, lengths): resume stays exact.
     """
+
+    GROUP_BATCHES = 32
 
     VERSION = 1
 
-    def __init__(self, n: int, seed: int, batch_size: int):
+    def __init__(self, n: int, seed: int, batch_size: int, lengths: Sequence[int] | None = None):
         if int(n) < 1:
             raise DataError(f"DataOrder: no examples (n={n})")
         if int(batch_size) < 1:
@@ -821,6 +831,9 @@ class DataOrder:
         self.n = int(n)
         self.seed = int(seed)
         self.batch_size = int(batch_size)
+        if lengths is not None and len(lengths) != self.n:
+            raise ValueError(f"DataOrder: {len(lengths)} lengths for {self.n} examples")
+        self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self.epoch = 0
         self.position = 0
         self._perm_epoch = -1
@@ -845,9 +858,22 @@ class DataOrder:
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.n)
+            rng = np.random.default_rng([self.seed, int(epoch)])
+            perm = rng.permutation(self.n)
+            self._perm = perm if self.lengths is None else self._grouped(perm, rng)
             self._perm_epoch = epoch
         return self._perm
+
+    def _grouped(self, perm: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        take, mega = self._take, self._take * self.GROUP_BATCHES
+        out = []
+        for m in range(0, len(perm), mega):
+            chunk = perm[m:m + mega]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            batches = [chunk[i:i + take] for i in range(0, len(chunk), take)]
+            full = [b for b in batches if len(b) == take]
+            out += [full[i] for i in rng.permutation(len(full))] + [b for b in batches if len(b) < take]
+        return np.concatenate(out)
 
     def next_batch(self) -> tuple[list[int], int]:
         """Indices of the next micro-batch and the epoch it belongs to."""
@@ -863,7 +889,7 @@ class DataOrder:
 
     def state_dict(self) -> dict:
         return {"version": self.VERSION, "epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "n": self.n, "batch_size": self.batch_size}
+                "n": self.n, "batch_size": self.batch_size, "group_by_length": self.lengths is not None}
 
     def load_state_dict(self, d: dict) -> None:
         try:
@@ -882,6 +908,10 @@ class DataOrder:
         if bs != self.batch_size:
             raise DataError(f"the micro-batch size changed since the run started (checkpoint {bs}, now "
                             f"{self.batch_size}); resume with the same batch size, or start a new run")
+        if bool(d.get("group_by_length", False)) != (self.lengths is not None):
+            raise DataError(f"length grouping changed since the run started (checkpoint "
+                            f"group_by_length={bool(d.get('group_by_length', False))}); resume with the same "
+                            "setting, or start a new run")
         if epoch < 0 or position < 0 or position % self._take or position + self._take > self.n:
             raise DataError(f"data order state is inconsistent (epoch={epoch}, position={position}, n={n}, "
                             f"batch_size={bs})")

@@ -615,6 +615,44 @@ def test_data_order_resume():
         DataOrder(n, seed, bs + 1).load_state_dict(state)
 
 
+def _padding(batches, lengths):
+    return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b, _ in batches)
+
+
+def test_data_order_group_by_length():
+    """Length grouping: each epoch still draws every example at most once (same drop_last count),
+    micro-batches hold similar lengths (far less padding than the plain order on a short/long mix),
+    and the grouped order is deterministic, resumable, and refused on a resume that changes it."""
+    rng = np.random.default_rng(0)
+    n, bs, seed = 203, 8, 5
+    lengths = np.where(rng.random(n) < 0.2, rng.integers(100, 128, n), rng.integers(15, 30, n)).tolist()
+    plain, grouped = DataOrder(n, seed, bs), DataOrder(n, seed, bs, lengths=lengths)
+    per_epoch = plain.steps_per_epoch()
+    assert grouped.steps_per_epoch() == per_epoch == n // bs
+    g_batches = _take(grouped, 3 * per_epoch)
+    for e in range(3):
+        flat = [i for idx, ep in g_batches if ep == e for i in idx]
+        assert len(flat) == per_epoch * bs and len(set(flat)) == len(flat)
+    assert [ep for _, ep in g_batches] == [ep for _, ep in _take(plain, 3 * per_epoch)]
+    plain = DataOrder(n, seed, bs)
+    p_pad, g_pad = _padding(_take(plain, per_epoch), lengths), _padding(g_batches[:per_epoch], lengths)
+    assert g_pad < 0.25 * p_pad, (g_pad, p_pad)
+    # the micro-batches' order is shuffled: the long ones are not one block at the start of the epoch
+    long_steps = [k for k, (idx, _) in enumerate(g_batches[:per_epoch]) if max(lengths[i] for i in idx) >= 100]
+    assert long_steps and long_steps != list(range(len(long_steps)))
+    # deterministic, exact resume
+    for k in (0, 3, per_epoch, per_epoch + 7):
+        o = DataOrder(n, seed, bs, lengths=lengths)
+        _take(o, k)
+        r = DataOrder(n, seed, bs, lengths=lengths)
+        r.load_state_dict(json.loads(json.dumps(o.state_dict())))
+        assert _take(r, 10) == g_batches[k:k + 10]
+    with pytest.raises(DataError, match="length grouping changed"):
+        DataOrder(n, seed, bs).load_state_dict(DataOrder(n, seed, bs, lengths=lengths).state_dict())
+    with pytest.raises(DataError, match="length grouping changed"):
+        DataOrder(n, seed, bs, lengths=lengths).load_state_dict(DataOrder(n, seed, bs).state_dict())
+
+
 @pytest.mark.parametrize("tok_name", ["gpt2", "qwen2.5"])
 def test_generation_prompt_ids_equal_the_trained_prompt(tmp_path, tok_name, shared_data):
     from ort_trainer.data import generation_prompt_ids

@@ -89,3 +89,31 @@ def test_out_holding_another_bundle_is_refused_and_kept(gpt2_ckpt, tmp_path, cap
     (tmp_path / "junk" / "notes.txt").write_text("mine")
     code, err = _gen(capsys, "--model", gpt2_ckpt, "--out", tmp_path / "junk")
     assert code == 2 and "not empty" in err and (tmp_path / "junk" / "notes.txt").read_text() == "mine"
+
+
+def test_ort_native_log_is_captured_and_shown_on_failure(gpt2_ckpt, tmp_path, monkeypatch, capfd):
+    """ORT's gradient builder logs ~350 INFO lines to fd 2 whatever the Python severity: they go to a
+    file during the build, and only a failure brings their tail (with the error) back."""
+    import os
+
+    from onnxruntime.training import artifacts
+
+    real = artifacts.generate_artifacts
+
+    def noisy(*args, **kwargs):
+        os.write(2, b"native INFO line from the gradient builder\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(artifacts, "generate_artifacts", noisy)
+    assert main(["gen", "--model", str(gpt2_ckpt), "--out", str(tmp_path / "ok")]) == 0
+    assert "native INFO line" not in capfd.readouterr().err
+    assert not list((tmp_path / "ok").rglob("*.log"))
+
+    def failing(*args, **kwargs):
+        os.write(2, b"native ERROR: gradient for op Foo is not registered\n")
+        raise RuntimeError("generate_artifacts failed")
+
+    monkeypatch.setattr(artifacts, "generate_artifacts", failing)
+    with pytest.raises(RuntimeError, match="(?s)generate_artifacts failed.*gradient for op Foo"):
+        main(["gen", "--model", str(gpt2_ckpt), "--out", str(tmp_path / "b")])
+    _nothing_left(tmp_path, tmp_path / "b")
