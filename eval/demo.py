@@ -38,6 +38,7 @@ class Recipe:
     qa_repeats: int = 12          # the 99 training questions, each written this many times into train.jsonl
     replay: int = 400             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
     replay_words: int = 12        # words per snippet: short snippets keep the 262k-vocabulary head's cost low
+    group_by_length: bool = False  # micro-batches of similar lengths (train --group-by-length)
     warmup: int = 5
     seq_len: int = 128
     trace_speed: float = 40.0     # the 2-hour evening replays in 3 minutes
@@ -179,6 +180,7 @@ def _train_on_device(bundle_dir: Path, data: Path, run_dir: Path, recipe: Recipe
            "--out", str(run_dir), "--max-steps", str(recipe.steps), "--micro-batch", str(recipe.micro_batch),
            "--accum", str(recipe.accum), "--lr", str(recipe.lr), "--warmup", str(recipe.warmup),
            "--save-every", str(max(10, recipe.steps // 4)), "--battery", f"replay:{TRACE}@{recipe.trace_speed:g}"]
+    cmd += ["--group-by-length"] if recipe.group_by_length else []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]) as proc:
         for line in proc.stdout:
             log(line.rstrip())
