@@ -42,17 +42,23 @@ def all_positions_labelled(mb: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", type=Path, required=True, help="a `pocketlora demo` work directory")
+    ap.add_argument("--workdir", type=Path, help="a `pocketlora demo` work directory (required)")
     ap.add_argument("--batches", type=int, default=12, help="micro-batches measured (each A and B; default 12)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--rerender", action="store_true", help="rewrite the docs section from the saved JSON")
     args = ap.parse_args(argv)
+    if args.rerender:
+        grs.replace_doc_section(DOC, SECTION, render(json.loads((REPO / "docs" / "bench_label_positions.json").read_text())))
+        return 0
 
     from ort_trainer.bundle import open_bundle
     from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples, loss_token_count
     from ort_trainer.session import RuntimeOptions, TrainSession
 
+    if args.workdir is None:
+        ap.error("--workdir is required")
     bundle_dir, data = args.workdir / "bundle", args.workdir / "device" / "train.jsonl"
     for p in (bundle_dir, data):
         if not p.exists():
@@ -71,6 +77,9 @@ def main(argv=None) -> int:
         session.module.lazy_reset_grad()
         return s, n
 
+    import os
+
+    load_start = os.getloadavg()[0]
     rows = []
     warm = collate([examples[i] for i in order.next_batch()[0]], tok.pad_id)
     timed(warm), timed(all_positions_labelled(warm))          # warm-up, both label patterns
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
     ratios = [r["b_s"] / r["a_s"] for r in rows]
     result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": grs.machine(),
               "model": bundle.manifest.model.source, "workdir": str(args.workdir), "threads": args.threads,
-              "micro_batch": args.micro_batch, "rows": rows, "median_labelled_s": med_a, "median_all_s": med_b,
+              "micro_batch": args.micro_batch, "load1": [load_start, os.getloadavg()[0]], "rows": rows, "median_labelled_s": med_a, "median_all_s": med_b,
               "median_ratio": statistics.median(ratios), "labelled_fraction":
               sum(r["labelled"] for r in rows) / sum(r["all"] for r in rows)}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
@@ -111,7 +120,10 @@ def render(r: dict) -> str:
                      f"{r_['b_s']:.2f} | {r_['b_s'] / r_['a_s']:.2f} |")
     lines += ["", f"Median: {r['median_labelled_s']:.2f} s (labelled only) vs {r['median_all_s']:.2f} s (all "
               f"positions); median ratio {r['median_ratio']:.2f}x. {100 * r['labelled_fraction']:.0f}% of the real "
-              "positions carry a label in these micro-batches.", ""]
+              "positions carry a label in these micro-batches. Load average (1 min) at start / end: "
+              f"{r['load1'][0]:.1f} / {r['load1'][1]:.1f} on {r['machine']['nproc']} cores"
+              + (" (above the core count: other jobs shared the machine; the absolute times are inflated, the "
+                 "alternating ratio much less)." if max(r["load1"]) > r["machine"]["nproc"] + 0.5 else "."), ""]
     return "\n".join(lines)
 
 
