@@ -49,7 +49,7 @@ def noise_floor(report_dir: str | Path, second_run: str | Path) -> dict:
 
 
 def plot(result: dict, path: str | Path) -> Path:
-    from .report import _plt
+    from .report import _plt, save_line_plot
 
     plt = _plt()
     steps = np.arange(1, result["steps"] + 1)
@@ -58,15 +58,8 @@ def plot(result: dict, path: str | Path) -> Path:
                 label=f"ORT {result['first']} vs PyTorch")
     ax.semilogy(steps, np.maximum(result["ort_vs_ort"], 1e-12), marker=".", lw=1,
                 label=f"ORT {result['second']} vs ORT {result['first']} (same math)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("relative loss difference")
-    ax.set_title("Loss divergence against the float-rounding noise floor")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return save_line_plot(plt, fig, ax, path, "Loss divergence against the float-rounding noise floor",
+                          "relative loss difference", grid_which="both")
 
 
 def main(argv=None) -> int:

@@ -80,21 +80,26 @@ def _plt():
     return plt
 
 
+def save_line_plot(plt, fig, ax, path, title: str, ylabel: str, grid_which: str = "major") -> Path:
+    """The common end of a step-axis line plot: labels, legend, grid, save, close."""
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3, which=grid_which)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_loss_curves(report: dict, path: Path) -> Path:
     plt = _plt()
     loss = report["loss"]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(loss["steps"], loss["torch"], label="PyTorch + PEFT", lw=2.5, alpha=0.6)
     ax.plot(loss["steps"], loss["ort"], label="ORT (device runner)", lw=1.0, ls="--")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (mean NLL)")
-    ax.set_title("Training loss, both sides")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_line_plot(plt, fig, ax, path, "Training loss, both sides", "training loss (mean NLL)")
 
 
 def plot_rel_diff(report: dict, path: Path) -> Path:
@@ -105,15 +110,8 @@ def plot_rel_diff(report: dict, path: Path) -> Path:
     vals = [max(v, 1e-12) for v in loss["rel_diff"]]
     ax.semilogy(loss["steps"], vals, marker=".", lw=1)
     ax.axhline(thr, color="red", ls=":", label=f"threshold {thr:g}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("|L_ort - L_torch| / |L_torch|")
-    ax.set_title("Loss relative difference per step")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_line_plot(plt, fig, ax, path, "Loss relative difference per step", "|L_ort - L_torch| / |L_torch|",
+                          grid_which="both")
 
 
 def plot_mmlu(report: dict, path: Path) -> Path:
