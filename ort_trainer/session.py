@@ -85,11 +85,15 @@ class TrainSession:
     def grad_norm(self) -> float:
         return float(np.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in self.grads().values())))
 
+    def drop_grads(self) -> None:
+        """The next forward_backward overwrites the accumulation buffers instead of adding to them."""
+        self.module.lazy_reset_grad()
+
     def step(self, lr: float) -> None:
         """Clip, AdamW update (ORT's optimizer graph), then clear the accumulated gradients."""
         self.optimizer.set_learning_rate(lr)
         self.optimizer.step()
-        self.module.lazy_reset_grad()
+        self.drop_grads()
 
     # -- weights --------------------------------------------------------------------------------
     def lora(self) -> dict[str, np.ndarray]:

@@ -38,7 +38,7 @@ def train_step(session: TrainSession, micro_batches: list[dict[str, np.ndarray]]
             continue
         loss += session.forward_backward(mb, 1.0 / n)
         if should_stop():
-            session.module.lazy_reset_grad()
+            session.drop_grads()
             return None
     grad_norm = session.grad_norm()
     session.step(lr)

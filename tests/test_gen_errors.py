@@ -117,3 +117,26 @@ def test_ort_native_log_is_captured_and_shown_on_failure(gpt2_ckpt, tmp_path, mo
     with pytest.raises(RuntimeError, match="(?s)generate_artifacts failed.*gradient for op Foo"):
         main(["gen", "--model", str(gpt2_ckpt), "--out", str(tmp_path / "b")])
     _nothing_left(tmp_path, tmp_path / "b")
+
+
+def test_gguf_parsed_once_within_a_load(tmp_path):
+    """Inside load_source's block every GGUFReader construction of one file returns the same parse (the
+    real reader runs once); outside it the real class is back."""
+    import gguf
+    import numpy as np
+
+    from artifacts_gen.source import gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("test.n", 7)
+    w.add_tensor("t", np.arange(4, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    real = gguf.GGUFReader
+    with gguf_parsed_once():
+        from gguf import GGUFReader   # as transformers and read_spm_vocab import it: at call time
+
+        a, b = GGUFReader(str(path)), gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf"))
+        assert a is b and isinstance(a, real) and int(a.fields["test.n"].parts[-1][0]) == 7
+    assert gguf.GGUFReader is real and gguf.GGUFReader(str(path)) is not a
