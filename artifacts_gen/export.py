@@ -39,6 +39,11 @@ def make_peft_model(model, family: Family, lora: LoraSettings):
 
     targets = family.target_modules(lora.targets)
     _check_targets(model, targets, lora.targets)
+    for name, why in family.broken_targets:
+        if name in targets:
+            ok = ",".join(t for t in family.attn_targets + family.mlp_targets if t not in dict(family.broken_targets))
+            raise ExportError(f"--targets {lora.targets}: LoRA on {name!r} cannot be trained in a {family.name} bundle: "
+                              f"{why}. Leave it out, e.g. --targets {ok} (what --targets all-linear gives here).")
     torch.manual_seed(lora.seed)
     config = LoraConfig(
         r=lora.r,

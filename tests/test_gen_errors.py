@@ -140,3 +140,20 @@ def test_gguf_parsed_once_within_a_load(tmp_path):
         a, b = GGUFReader(str(path)), gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf"))
         assert a is b and isinstance(a, real) and int(a.fields["test.n"].parts[-1][0]) == 7
     assert gguf.GGUFReader is real and gguf.GGUFReader(str(path)) is not a
+
+
+def test_gemma3_gate_proj_refused_and_all_linear_builds_without_it(tmp_path, capsys):
+    """ORT 1.19 cannot build the gradient graph for LoRA on Gemma3's gate_proj: refused before export with
+    the fix; all-linear leaves gate_proj out and builds (ORT's gradient builder really runs here)."""
+    from ort_trainer.manifest import Manifest
+
+    ckpt = make_tiny_checkpoint("gemma3", tmp_path / "ck")
+    code, err = _gen(capsys, "--model", ckpt, "--out", tmp_path / "b", "--targets", "gate_proj,down_proj")
+    assert code == 2 and "'gate_proj'" in err and "RemoveEdge" in err
+    assert "--targets q_proj,k_proj,v_proj,o_proj,up_proj,down_proj" in err
+    _nothing_left(tmp_path, tmp_path / "b")
+
+    assert main(["gen", "--model", str(ckpt), "--out", str(tmp_path / "all"), "--targets", "all-linear",
+                 "--seq-len", "32"]) == 0
+    mods = set(Manifest.load(tmp_path / "all").lora.target_modules)
+    assert mods == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
