@@ -54,6 +54,33 @@ def _log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+# Lockstep (train_throughput.run_lockstep): the parent keeps one process per configuration alive and lets
+# them take turns, one step at a time: "READY" once loaded, then per step wait for a line on stdin, step,
+# print "STEP_DONE". Nothing else runs while a step is measured.
+READY, STEP_DONE = "READY", "STEP_DONE"
+
+
+def _turn(spec: dict) -> None:
+    if spec.get("lockstep"):
+        if not sys.stdin.readline():
+            raise SystemExit("lockstep: parent closed stdin")
+
+
+def _done(spec: dict, what: str = STEP_DONE) -> None:
+    if spec.get("lockstep"):
+        print(what, flush=True)
+
+
+def _examples(spec: dict, ph: dict, tok, seq_len: int, cache: dict):
+    """A phase's examples (its own "data", else the spec's), tokenized once per file."""
+    from ort_trainer.data import load_examples
+
+    path = ph.get("data", spec.get("data"))
+    if path not in cache:
+        cache[path] = load_examples(path, tok, seq_len)
+    return cache[path]
+
+
 # ----------------------------------------------------------------------------------------- setup
 
 # Shrunk versions of the real configs for --quick (same families and vocabularies, so the same tokenizers
@@ -160,14 +187,16 @@ def run_ort(spec: dict) -> dict:
     sys.path.insert(0, str(REPO))
     t_start = time.perf_counter()
     from ort_trainer.bundle import open_bundle
-    from ort_trainer.data import TextTokenizer, load_examples
+    from ort_trainer.data import TextTokenizer
     from ort_trainer.session import RuntimeOptions, TrainSession
     from ort_trainer.step import train_step
 
     rss = {"start": _status()}
     bundle = open_bundle(spec["bundle"], verify="sizes")
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
-    examples, report = load_examples(spec["data"], tok, bundle.manifest.seq_len)
+    data_cache: dict = {}
+    for ph in spec["phases"]:
+        examples, report = _examples(spec, ph, tok, bundle.manifest.seq_len, data_cache)
     rss["after_data"] = _status()
     options = RuntimeOptions(threads=spec["threads"], memory=spec.get("memory", "normal"))
     if spec.get("profile"):
@@ -186,13 +215,17 @@ def run_ort(spec: dict) -> dict:
     session = TrainSession(bundle, options=options)
     session_s = time.perf_counter() - t0
     rss["after_session"] = _status()
-    phases = []
-    for ph in spec["phases"]:                         # normally one; the pilot runs several
+    _done(spec, READY)
+    phases, initial = [], {k: v.copy() for k, v in session.lora().items()}
+    for ph in spec["phases"]:                         # the pilot and lockstep runs have several
+        session.set_lora(initial)                     # every phase starts from the bundle's LoRA (B = 0)
         _reset_peak()                                 # so each phase's VmHWM is its own (the first is clean)
+        examples, report = _examples(spec, ph, tok, bundle.manifest.seq_len, data_cache)
         gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
         steps = []
         for i in range(ph["warmup"] + ph["steps"]):
             micro = next(gen)
+            _turn(spec)
             t0, c0 = time.perf_counter(), time.process_time()
             r = train_step(session, micro, LM_LR)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -202,7 +235,10 @@ def run_ort(spec: dict) -> dict:
                           "rss": _status()["VmRSS"]})
             _log(f"ort {ph['micro']}x{ph['accum']} step {i}: {r.seconds:.2f} s loss {r.loss:.4f} "
                  f"rss {steps[-1]['rss'] / 2**20:.0f} MiB")
-        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps, "hwm": _status()["VmHWM"]})
+            _done(spec)
+        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps, "hwm": _status()["VmHWM"],
+                       "data": ph.get("data", spec.get("data")),
+                       "examples": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens}})
     rss["end"] = _status()
     del session
     return {"backend": "ort", "memory": spec.get("memory", "normal"), "phases": phases,
@@ -227,12 +263,14 @@ def run_torch(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from eval.reference import TrainConfig, make_peft_model, reference_train
-    from ort_trainer.data import TextTokenizer, load_examples
+    from ort_trainer.data import TextTokenizer
 
     rss = {"start": _status()}
     man = json.loads((Path(spec["bundle"]) / "manifest.json").read_text())
     tok = TextTokenizer.from_dir(Path(spec["bundle"]) / "tokenizer")    # the very same examples as ORT
-    examples, report = load_examples(spec["data"], tok, man["seq_len"])
+    data_cache: dict = {}
+    for ph in spec["phases"]:
+        examples, report = _examples(spec, ph, tok, man["seq_len"], data_cache)
     rss["after_data"] = _status()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32)
@@ -242,39 +280,54 @@ def run_torch(spec: dict) -> dict:
                                  target_modules=lora["target_modules"], fan_in_fan_out=lora["fan_in_fan_out"])
     load_s = time.perf_counter() - t0
     rss["after_model"] = _status()
-    ph = spec["phases"][0]
-    total = ph["warmup"] + ph["steps"]
-    gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
-    steps: list[dict] = []
+    _done(spec, READY)
+    phases, peak_mb = [], 0.0
+    initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    for ph in spec["phases"]:
+        with torch.no_grad():                         # every phase starts from PEFT's initial LoRA (B = 0)
+            for n, p in peft_model.named_parameters():
+                if n in initial:
+                    p.copy_(initial[n])
+        _reset_peak()
+        examples, report = _examples(spec, ph, tok, man["seq_len"], data_cache)
+        total = ph["warmup"] + ph["steps"]
+        gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
+        steps: list[dict] = []
 
-    def step_iter():
-        for i in range(total):
-            micro = next(gen)
-            steps.append({"i": i, "warmup": i < ph["warmup"], "micro_shapes": _shapes(micro),
-                          "tokens": int(sum(int(m["attention_mask"].sum()) for m in micro)),
-                          "label_tokens": sum(s[3] for s in _shapes(micro)), "t0": time.perf_counter(),
-                          "c0": time.process_time()})
-            yield micro
+        def step_iter():
+            for i in range(total):
+                micro = next(gen)
+                _turn(spec)
+                steps.append({"i": i, "warmup": i < ph["warmup"], "micro_shapes": _shapes(micro),
+                              "tokens": int(sum(int(m["attention_mask"].sum()) for m in micro)),
+                              "label_tokens": sum(s[3] for s in _shapes(micro)), "t0": time.perf_counter(),
+                              "c0": time.process_time()})
+                yield micro
 
-    def progress(step, total_steps, loss):
-        s = steps[step - 1]
-        s["seconds"] = time.perf_counter() - s.pop("t0")
-        s["cpu_s"] = time.process_time() - s.pop("c0")
-        s["load1"] = os.getloadavg()[0]
-        s["wall"] = s["seconds"]
-        s["loss"] = loss
-        s["rss"] = _status()["VmRSS"]
-        _log(f"torch {ph['micro']}x{ph['accum']} step {step - 1}: {s['seconds']:.2f} s loss {loss:.4f} "
-             f"rss {s['rss'] / 2**20:.0f} MiB")
+        def progress(step, total_steps, loss):
+            s = steps[step - 1]
+            s["seconds"] = time.perf_counter() - s.pop("t0")
+            s["cpu_s"] = time.process_time() - s.pop("c0")
+            s["load1"] = os.getloadavg()[0]
+            s["wall"] = s["seconds"]
+            s["loss"] = loss
+            s["rss"] = _status()["VmRSS"]
+            _log(f"torch {ph['micro']}x{ph['accum']} step {step - 1}: {s['seconds']:.2f} s loss {loss:.4f} "
+                 f"rss {s['rss'] / 2**20:.0f} MiB")
+            _done(spec)
 
-    cfg = TrainConfig(lr=LM_LR, warmup=0, schedule="constant", total_steps=total, clip=1.0)
-    run = reference_train(peft_model, step_iter(), cfg, progress=progress)
+        cfg = TrainConfig(lr=LM_LR, warmup=0, schedule="constant", total_steps=total, clip=1.0)
+        run = reference_train(peft_model, step_iter(), cfg, progress=progress)
+        peak_mb = max(peak_mb, run.peak_rss_mb)
+        phases.append({"micro": ph["micro"], "accum": ph["accum"], "steps": steps, "hwm": _status()["VmHWM"],
+                       "data": ph.get("data", spec.get("data")),
+                       "examples": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens}})
     rss["end"] = _status()
     return {"backend": "torch", "attn_implementation": attn, "torch_threads": torch.get_num_threads(),
-            "phases": [{"micro": ph["micro"], "accum": ph["accum"], "steps": steps}],
+            "phases": phases,
             "load_seconds": round(load_s, 2), "total_seconds": round(time.perf_counter() - t_start, 2),
             "data": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens},
-            "rss": rss, "self_maxrss": _maxrss(), "reference_peak_rss_mb": run.peak_rss_mb}
+            "rss": rss, "self_maxrss": _maxrss(), "reference_peak_rss_mb": peak_mb}
 
 
 # ----------------------------------------------------------------------------------------- GEMM

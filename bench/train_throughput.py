@@ -4,21 +4,22 @@ For each shape (random weights, the real config from ../shared/data/configs; LoR
 the attention projections, seq-len 128, effective batch 8) and each workload
   lm   WikiText-2 train (first LM_LINES lines), 128-token blocks, every token labelled;
   sft  ../shared/data/sft/alpaca_en_demo.json, prompt tokens labelled -100,
-the script runs, alternating A B C A B C, each run in its own process with 2 threads:
+three configurations run, each in its own process with 2 threads:
   A  ORT device path: TrainSession + train_step on the loop's micro-batches, micro-batch 8 x accum 1;
   B  PyTorch eager + PEFT (eval.reference.reference_train; SDPA attention, eval() base, AdamW), 8 x 1;
-  C  ORT at its best micro-batch x accum, picked by a short pilot (one process; 1x8, 2x4, 4x2, one
-     warm-up + PILOT_STEPS measured steps each, the lowest median step time wins).
-Every run does --warmup steps, then --steps measured steps; the parent samples the child's VmRSS
-every 0.1 s and takes ru_maxrss from wait4. It also measures float32 GEMM throughput on the step's own
-matmul shapes (numpy/OpenBLAS and an ORT MatMul/Gemm), counts each step's FLOPs, and finally runs
-Qwen2.5-0.5B's device path with RuntimeOptions(memory="low") under a cgroup-v1 memory limit of 60% of
-its fp32 weight bytes (plus the same run in normal mode, unlimited).
+  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2 in
+     one process, one warm-up + PILOT_STEPS measured steps each, the lowest median step time wins).
+Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
+sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
+Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. It also
+measures float32 GEMM throughput on the step's own matmul shapes (numpy/OpenBLAS and an ORT MatMul/Gemm),
+counts each step's FLOPs, and finally runs Qwen2.5-0.5B's device path with RuntimeOptions(memory="low")
+under a cgroup-v1 memory limit of 60% of its fp32 weight bytes (compared with the lean phase).
 
     python bench/train_throughput.py [--shapes gpt2-124m,gemma3-270m,qwen2.5-0.5b] [--workloads lm,sft]
-        [--steps 5] [--warmup 2] [--rounds 2] [--workdir DIR] [--quick] [--no-doc]
+        [--steps 5] [--warmup 1] [--pilot] [--workdir DIR] [--quick] [--no-doc]
 
---quick: tiny configs derived from the real ones (2 layers, hidden 64, real vocabularies), one round,
+--quick: tiny configs derived from the real ones (2 layers, hidden 64, real vocabularies), a pilot,
 one warm-up + 2 measured steps: a smoke test of every path, numbers meaningless; the docs are not
 touched (results go to WORKDIR/train_throughput-quick/). Checkpoints and bundles are cached under
 WORKDIR/train_throughput[-quick]/ and reused when their inputs (config, tokenizer, artifacts_gen
@@ -64,9 +65,11 @@ SFT_DATA = SHARED / "data" / "sft" / "alpaca_en_demo.json"
 LM_SOURCE = SHARED / "data" / "wikitext2" / "train.txt"
 PILOT = ((1, 8), (2, 4), (4, 2))
 PILOT_STEPS = 1
+BEST_SPLITS = REPO / "bench" / "best_splits.json"   # written by --pilot: {shape: {workload: [micro, accum]}}
+LEAN = (1, EFFECTIVE_BATCH)      # the memory-lean setting, measured once per shape (lm, 1 warm-up + 1 step)
 LOWMEM_SHAPE = "qwen2.5-0.5b"
 LOWMEM_FRACTION = 0.60
-LOWMEM_STEPS = (1, 2)            # warm-up, measured: enough to see whether it completes and how fast
+LOWMEM_STEPS = (1, 1)            # warm-up, measured: enough to see whether it completes and how fast
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP = CGROUP_ROOT / "pocketlora-bench"
 GEMM_M = (128, 1024)             # rows of the activations: one sequence / eight sequences of 128
@@ -193,6 +196,115 @@ def run_child(kind: str, spec: dict, log_path: Path, timeout: float, cgroup: Pat
     return ChildResult(proc.returncode, result, time.time() - t0, usage.ru_maxrss * 1024, peak, log_path,
                        cg_info if (cgroup is not None or killed) else None,
                        cpu_s=round(usage.ru_utime + usage.ru_stime, 2))
+
+
+class Lockstep:
+    """One long-lived worker per configuration, taking turns one step at a time (A B C A B C ...).
+
+    Each `slots` entry is (name, [keys], n): the listed workers run their next phase together, n steps (warm-up
+    included), step by step in the listed order; a worker's phases are the slots it appears in, in order. Startup (imports, data,
+    session or model) overlaps across workers and is not measured; steps never overlap. Per worker and
+    phase the parent samples VmRSS / RssAnon / RssFile every 0.1 s; the worker reports the phase's VmHWM
+    (reset at the phase's start) and every step; wait4 gives each worker's ru_maxrss."""
+
+    def __init__(self, workers: dict[str, tuple[str, dict]], slots: list[tuple[str, list[str], int]], sub: Path,
+                 tag: str, timeout: float):
+        import queue
+
+        self.slots, self.timeout = slots, timeout
+        self.procs, self.lines, self.logs, self.files = {}, {}, {}, []
+        self.phase = {k: None for k in workers}           # the slot a worker is in (for the RSS samples)
+        self.samples: dict[tuple[str, str], dict[str, int]] = {}
+        self.failed: dict[str, str] = {}
+        for key, (kind, spec) in workers.items():
+            log_path = sub / f"{tag}-{key}.log"
+            f = open(log_path, "w")
+            self.files.append(f)
+            proc = subprocess.Popen([sys.executable, str(WORKER), kind, json.dumps({**spec, "lockstep": True})],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True, cwd=REPO,
+                                    env=_child_env(), bufsize=1)
+            q: "queue.Queue[str | None]" = queue.Queue()
+
+            def pump(stream=proc.stdout, q=q):
+                for line in stream:
+                    q.put(line.rstrip("\n"))
+                q.put(None)
+
+            threading.Thread(target=pump, daemon=True).start()
+            self.procs[key], self.lines[key], self.logs[key] = proc, q, log_path
+        self.result_lines: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for key, proc in self.procs.items():
+                slot = self.phase[key]
+                if slot is not None:             # not proc.poll(): that would reap it before wait4
+                    peak = self.samples.setdefault((key, slot), {})
+                    for k, v in _read_status(proc.pid).items():
+                        peak[k] = max(peak.get(k, 0), v)
+            time.sleep(0.1)
+
+    def _expect(self, key: str, what: str) -> bool:
+        """Read the worker's stdout up to the line `what`; False (and the worker marked failed) if it dies."""
+        import queue
+
+        deadline = time.time() + self.timeout
+        while True:
+            try:
+                line = self.lines[key].get(timeout=max(1.0, deadline - time.time()))
+            except queue.Empty:
+                line = None
+                self.procs[key].kill()
+            if line is None:
+                self.failed.setdefault(key, f"exited or timed out waiting for {what}:\n{_tail(self.logs[key])}")
+                return False
+            if line.startswith(RESULT_TAG):
+                self.result_lines[key] = line
+            if line == what:
+                return True
+
+    def run(self, on_step=None) -> None:
+        for key in self.procs:                    # all load at once; measured steps start when all are ready
+            self._expect(key, "READY")
+        for slot, keys, n in self.slots:
+            keys = [k for k in keys if k not in self.failed]
+            for k in keys:
+                self.phase[k] = slot
+            for i in range(n):
+                for k in keys:
+                    if k in self.failed:
+                        continue
+                    self.procs[k].stdin.write("step\n")
+                    self.procs[k].stdin.flush()
+                    if self._expect(k, "STEP_DONE") and on_step:
+                        on_step(slot, k, i)
+
+    def finish(self) -> dict[str, dict]:
+        """Close stdin, collect each worker's result and ru_maxrss."""
+        out = {}
+        for key, proc in self.procs.items():
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            if key not in self.failed:            # drain to the result line and EOF
+                deadline = time.time() + self.timeout
+                while (line := self.lines[key].get(timeout=max(1.0, deadline - time.time()))) is not None:
+                    if line.startswith(RESULT_TAG):
+                        self.result_lines[key] = line
+            _, status, ru = os.wait4(proc.pid, 0)
+            code = proc.returncode = os.waitstatus_to_exitcode(status)
+            line = self.result_lines.get(key)
+            out[key] = {"code": code, "result": json.loads(line[len(RESULT_TAG):]) if line else None,
+                        "ru_maxrss": ru.ru_maxrss * 1024, "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
+                        "log_tail": None if (code == 0 and line) else _tail(self.logs[key])}
+        self._stop.set()
+        for f in self.files:
+            f.close()
+        return out
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -403,7 +515,7 @@ def _evict_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: float) -> dict:
+def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: float, lean: dict | None) -> dict:
     fp32_bytes = setup["manifest_model"]["frozen_params"] * 4
     limit = int(LOWMEM_FRACTION * fp32_bytes)
     note = None
@@ -417,12 +529,12 @@ def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: flo
                  "steps": steps, "fp32_weight_bytes": fp32_bytes, "limit_bytes": limit, "note": note}
     shards = [Path(setup["bundle"]) / f for f in os.listdir(setup["bundle"]) if f.startswith("weights-")]
 
-    log(f"low-memory: normal mode, same config ({setup['name']}, lm, 1x{EFFECTIVE_BATCH}), no limit")
-    normal = run_child("ort", {**spec, "memory": "normal"}, workdir / "lowmem-normal.log", timeout)
-    out["normal"] = _lowmem_summary(normal)
-    log("low-memory: memory=low, same config, no limit (the cost of the mode itself)")
-    out["low_unlimited"] = _lowmem_summary(run_child("ort", {**spec, "memory": "low"}, workdir / "lowmem-low-unlimited.log",
-                                                     timeout))
+    if lean:     # the same setting, normal mode, no limit: ort-8x1's lean phase in the lockstep
+        out["normal"] = {**lean, "source": "the lockstep's lean phase (ort-8x1 process, before its other phases)"}
+    else:
+        log(f"low-memory: normal mode, same config ({setup['name']}, lm, 1x{EFFECTIVE_BATCH}), no limit")
+        out["normal"] = _lowmem_summary(run_child("ort", {**spec, "memory": "normal"}, workdir / "lowmem-normal.log",
+                                                  timeout))
 
     mechanism = None
     if CGROUP_ROOT.is_dir():
@@ -567,13 +679,107 @@ def setup_shape(name: str, sub: Path, quick: bool) -> dict:
     return c.result
 
 
+def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, timeout: float) -> tuple[list, list]:
+    """ORT at 1x8, 2x4, 4x2 in one process (1 warm-up + pilot_steps each): the table and the fastest split."""
+    tag = f"{setup['name'].split('@')[0]}-{wl}"
+    log(f"{tag}: pilot {', '.join(f'{m}x{a}' for m, a in PILOT)} (one process, 1 warm-up + {pilot_steps} steps each)")
+    spec = {"bundle": setup["bundle"], "data": str(data[wl]), "threads": THREADS, "seed": 0,
+            "phases": [{"micro": m, "accum": a, "warmup": 1, "steps": pilot_steps} for m, a in PILOT]}
+    pilot = run_child("ort", spec, sub / f"{tag}-pilot.log", timeout)
+    if not pilot.ok:
+        log(f"   pilot FAILED, using 1x8:\n{_tail(pilot.log_path)}")
+        return [], [1, EFFECTIVE_BATCH]
+    table = [{"micro": ph["micro"], "accum": ph["accum"], "rss_end": ph["steps"][-1]["rss"], "hwm": ph.get("hwm"),
+              "median_step_s": statistics.median(x["seconds"] for x in _measured(pilot.result, i))}
+             for i, ph in enumerate(pilot.result["phases"])]
+    best = min(table, key=lambda q: q["median_step_s"])
+    log("   pilot: " + ", ".join(f"{q['micro']}x{q['accum']} {q['median_step_s']:.2f} s" for q in table)
+        + f" -> best {best['micro']}x{best['accum']}")
+    return table, [best["micro"], best["accum"]]
+
+
+def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pilots: dict, data: dict, sub: Path,
+                   warmup: int, steps: int, timeout: float) -> list[dict]:
+    """ort-8x1, torch-8x1 and ort-best of one shape, each one process, taking turns step by step: sft, then lm
+    (a worker's allocator only grows, so the smaller workload goes first). ort-8x1 first runs the memory-lean
+    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it."""
+    wls = [w for w in ("sft", "lm") if w in workloads]
+    base = {"bundle": setup["bundle"], "ckpt": setup["ckpt"], "threads": THREADS, "seed": 0}
+
+    def phase(wl, m, a, w=warmup, n=steps):
+        return {"data": str(data[wl]), "micro": m, "accum": a, "warmup": w, "steps": n}
+
+    lean = "lm" in wls
+    keys = {"ort-8x1": ("ort", EFFECTIVE_BATCH, 1), "torch-8x1": ("torch", EFFECTIVE_BATCH, 1), "ort-best": ("ort", None, None)}
+    workers = {
+        "ort-8x1": ("ort", {**base, "phases": ([phase("lm", *LEAN, 1, 1)] if lean else [])
+                            + [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
+        "torch-8x1": ("torch", {**base, "phases": [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
+        "ort-best": ("ort", {**base, "phases": [phase(w, *best[w]) for w in wls]}),
+    }
+    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, list(keys), warmup + steps) for w in wls]
+    log(f"{name}: lockstep of {', '.join(keys)} (" + "; ".join(
+        f"{w}: best {best[w][0]}x{best[w][1]}" for w in wls) + f"), {warmup} warm-up + {steps} steps each"
+        + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else ""))
+    t0 = time.time()
+
+    def on_step(slot, key, i):
+        log(f"   {slot} {key} step {i}")
+
+    ls = Lockstep(workers, slots, sub, name, timeout)
+    ls.run(on_step=on_step if os.environ.get("BENCH_VERBOSE") else None)
+    out = ls.finish()
+    log(f"   done in {time.time() - t0:.0f} s" + "".join(f"; {k} FAILED" for k in ls.failed))
+
+    def record(key: str, slot: str, idx: int) -> dict:
+        o, res = out[key], out[key]["result"]
+        ph = res["phases"][idx] if res and idx < len(res["phases"]) else None
+        ok = ph is not None and key not in ls.failed
+        smp = ls.samples.get((key, slot), {})
+        return {"ok": ok, "code": o["code"], "wall": round(sum(x["wall"] for x in ph["steps"]), 1) if ph else None,
+                "peak_rss": max(ph.get("hwm") or 0, smp.get("VmRSS", 0)) if ph else 0, "ru_maxrss": o["ru_maxrss"],
+                "samples": smp, "cpu_s": None, "log_tail": None if ok else (ls.failed.get(key) or o["log_tail"]),
+                "result": {**{k: v for k, v in res.items() if k != "phases"}, "phases": [ph]} if ok else None}
+
+    entries = []
+    for j, wl in enumerate(wls):
+        m, a = best[wl]
+        runs, defs = {}, {}
+        for key, (kind, mm, aa) in keys.items():
+            label = f"ort-best-{m}x{a}" if key == "ort-best" else key
+            runs[label] = [record(key, wl, j + (1 if lean and key == "ort-8x1" else 0))]
+            defs[label] = [kind, mm or m, aa or a]
+        table, _ = pilots.get((name, wl), ([], None))
+        entry = {"shape": name, "model": setup["name"], "workload": wl, "ok": True, "pilot": table, "best": [m, a],
+                 "runs": runs, "config_defs": defs, "configs": {}}
+        if wl == "lm":
+            lr = record("ort-8x1", "lean", 0)
+            if lr["ok"]:
+                st = [x["seconds"] for x in _measured(lr["result"])]
+                entry["lean"] = {"micro": LEAN[0], "accum": LEAN[1], "completed": True, "exit_code": 0,
+                                 "peak_rss": lr["peak_rss"], "hwm": lr["result"]["phases"][0]["hwm"],
+                                 "sampled": lr["samples"], "step_seconds": st, "median_step_s": statistics.median(st),
+                                 "rss_stages": lr["result"].get("rss"), "wall_s": lr["wall"], "cgroup": None,
+                                 "ru_maxrss": lr["ru_maxrss"]}
+        for label, (r,) in runs.items():
+            if r["ok"]:
+                med = statistics.median(x["seconds"] for x in _measured(r["result"]))
+                log(f"   {wl} {label}: median step {med:.2f} s, peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
+            else:
+                log(f"   {wl} {label}: FAILED:\n{r['log_tail']}")
+        entries.append(entry)
+    return entries
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3; x 2 rounds = 6)")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps per run (default 1)")
-    ap.add_argument("--rounds", type=int, default=2, help="A B C rounds (default 2)")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per configuration and workload (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up steps before them (default 1)")
+    ap.add_argument("--pilot", action="store_true",
+                    help=f"re-measure the best micro-batch x accum of each shape and workload (adds ~9 min) and "
+                         f"store it in {BEST_SPLITS.name}; without it, the stored choice is used")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pocketlora-bench"))
     ap.add_argument("--quick", action="store_true", help="tiny configs, smoke test (< 2 min); docs untouched")
     ap.add_argument("--no-lowmem", action="store_true", help="skip the low-memory run")
@@ -594,12 +800,12 @@ def main(argv=None) -> int:
         ap.error(f"--shapes: unknown {bad}; known {SHAPES}")
     if bad := [w for w in workloads if w not in WORKLOADS]:
         ap.error(f"--workloads: unknown {bad}; known {WORKLOADS}")
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        ap.error("--steps >= 1, --warmup >= 0, --rounds >= 1")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps >= 1, --warmup >= 0")
     if args.quick:
-        steps, warmup, rounds, pilot_steps = 1, min(args.warmup, 1), 1, 1
+        steps, warmup, pilot_steps = 2, min(args.warmup, 1), 1
     else:
-        steps, warmup, rounds, pilot_steps = args.steps, args.warmup, args.rounds, PILOT_STEPS
+        steps, warmup, pilot_steps = args.steps, args.warmup, PILOT_STEPS
     workdir = args.workdir.absolute()
     sub = workdir / ("train_throughput-quick" if args.quick else "train_throughput")
     sub.mkdir(parents=True, exist_ok=True)
@@ -607,12 +813,13 @@ def main(argv=None) -> int:
     command = "python bench/train_throughput.py" + "".join(
         f" {flag} {val}" for flag, val, default in (
             ("--shapes", ",".join(shapes), ",".join(SHAPES)), ("--workloads", ",".join(workloads), ",".join(WORKLOADS)),
-            ("--steps", args.steps, 3), ("--warmup", args.warmup, 1), ("--rounds", args.rounds, 2))
-        if str(val) != str(default)) + (" --quick" if args.quick else "") + (" --merge" if args.merge else "")
+            ("--steps", args.steps, 5), ("--warmup", args.warmup, 1))
+        if str(val) != str(default)) + (" --quick" if args.quick else "") + (" --merge" if args.merge else "") + (
+        " --pilot" if args.pilot else "")
     info = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
             "machine": grs.machine(), "quick": args.quick, "load_at_start": os.getloadavg(),
             "settings": {"lora": LORA, "seq_len": SEQ_LEN, "effective_batch": EFFECTIVE_BATCH, "threads": THREADS,
-                         "steps": steps, "warmup": warmup, "rounds": rounds, "pilot": [list(p) for p in PILOT],
+                         "steps": steps, "warmup": warmup, "mode": "lockstep", "pilot": [list(p) for p in PILOT],
                          "pilot_steps": pilot_steps, "lm_lines": LM_LINES}}
     data = prepare_data(sub)
     raw_json = sub / "bench_train_throughput.json" if (args.quick or args.no_doc) else RAW_JSON
@@ -648,61 +855,34 @@ def main(argv=None) -> int:
     # 2. GEMM throughput on the step's own shapes (again at the end: the better of the two is used)
     gemm = measure_gemm(dims, sub, args.quick, "start")
 
-    # 3. pilot + A B C rounds
+    # 3. best split per shape and workload: from BEST_SPLITS (the last --pilot), or a pilot now
+    best_splits = json.loads(BEST_SPLITS.read_text()) if BEST_SPLITS.is_file() and not args.quick else {}
     results = []
     timeout = 300 if args.quick else 1800
+    pilots: dict[tuple[str, str], list] = {}
+    for name in shapes:
+        for wl in workloads:
+            if setups[name].get("ok", True) and (args.pilot or args.quick or wl not in best_splits.get(name, {})):
+                pilots[name, wl] = run_pilot(setups[name], wl, data, sub, pilot_steps, timeout)
+                best_splits.setdefault(name, {})[wl] = pilots[name, wl][1]
+    if args.pilot and not args.quick:
+        best_splits["_measured"] = info["date"] + " (pilot of this run, in its results JSON)"
+        BEST_SPLITS.write_text(json.dumps(best_splits, indent=1) + "\n")
+    info["best_splits_measured"] = best_splits.get("_measured", "by this run's pilot")
+
+    # 4. per shape, one lockstep: ort-8x1, torch-8x1, ort-best take turns step by step (sft, then lm)
     for name in shapes:
         s = setups[name]
         if not s.get("ok", True):
             results.append({"shape": name, "ok": False, "error": s["error"]})
             continue
-        for wl in workloads:
-            base = {"bundle": s["bundle"], "ckpt": s["ckpt"], "data": str(data[wl]), "threads": THREADS, "seed": 0}
-            tag = f"{name}-{wl}"
-            log(f"{tag}: pilot {', '.join(f'{m}x{a}' for m, a in PILOT)} (one process, 1 warm-up + {pilot_steps} steps each)")
-            pilot = run_child("ort", {**base, "phases": [{"micro": m, "accum": a, "warmup": 1, "steps": pilot_steps}
-                                                         for m, a in PILOT]}, sub / f"{tag}-pilot.log", timeout)
-            pilot_table = []
-            if pilot.ok:
-                for i, ph in enumerate(pilot.result["phases"]):
-                    pilot_table.append({"micro": ph["micro"], "accum": ph["accum"],
-                                        "median_step_s": statistics.median(x["seconds"] for x in _measured(pilot.result, i)),
-                                        "rss_end": ph["steps"][-1]["rss"], "hwm": ph.get("hwm")})
-                best = min(pilot_table, key=lambda p: p["median_step_s"])
-                best_ma = (best["micro"], best["accum"])
-            else:
-                log(f"   pilot FAILED, using 1x8:\n{_tail(pilot.log_path)}")
-                best_ma = (1, EFFECTIVE_BATCH)
-            log("   pilot: " + ", ".join(f"{p['micro']}x{p['accum']} {p['median_step_s']:.2f} s" for p in pilot_table)
-                + f" -> best {best_ma[0]}x{best_ma[1]}")
-            configs = {
-                "ort-8x1": ("ort", EFFECTIVE_BATCH, 1),
-                "torch-8x1": ("torch", EFFECTIVE_BATCH, 1),
-                f"ort-best-{best_ma[0]}x{best_ma[1]}": ("ort", *best_ma),
-            }
-            runs: dict[str, list[ChildResult]] = {k: [] for k in configs}
-            for rnd in range(rounds):
-                for key, (kind, m, a) in configs.items():
-                    c = run_child(kind, {**base, "phases": [{"micro": m, "accum": a, "warmup": warmup, "steps": steps}]},
-                                  sub / f"{tag}-{key}-r{rnd}.log", timeout)
-                    runs[key].append(c)
-                    if c.ok:
-                        med = statistics.median(x["seconds"] for x in _measured(c.result))
-                        log(f"   round {rnd + 1} {key}: median step {med:.2f} s, peak RSS "
-                            f"{c.peak_rss() / 2**20:.0f} MiB (run {c.wall:.0f} s)")
-                    else:
-                        log(f"   round {rnd + 1} {key}: FAILED (exit {c.code}):\n{_tail(c.log_path)}")
-            entry = {"shape": name, "model": s["name"], "workload": wl, "ok": True, "pilot": pilot_table,
-                     "best": list(best_ma), "configs": {}}
-            entry["runs"] = {key: [run_record(c) for c in cs] for key, cs in runs.items()}
-            entry["config_defs"] = {key: list(v) for key, v in configs.items()}
-            summarize_entry(entry, dims[name], gemm.get(name, []))
-            results.append(entry)
+        results += lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub, warmup, steps, timeout)
 
-    # 4. low-memory mode
+    # 5. low-memory mode under a hard limit; its normal-mode comparison is the lockstep's lean phase
     lowmem = None
     if LOWMEM_SHAPE in shapes and not args.no_lowmem and setups[LOWMEM_SHAPE].get("ok", True):
-        lowmem = lowmem_run(setups[LOWMEM_SHAPE], data["lm"], sub, args.quick, 300 if args.quick else 900)
+        lean = next((r.get("lean") for r in results if r["shape"] == LOWMEM_SHAPE and r.get("workload") == "lm"), None)
+        lowmem = lowmem_run(setups[LOWMEM_SHAPE], data["lm"], sub, args.quick, 300 if args.quick else 900, lean)
     gemm_end = {}          # measured once, at the start, to keep the whole run under 30 minutes
     info["wall_seconds"] = round(time.time() - t_begin, 1)
     info["load_at_end"] = os.getloadavg()
@@ -822,12 +1002,15 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     lean: dict[str, list] = {}
     for r in res:
         q = next((q for q in r.get("pilot") or [] if (q["micro"], q["accum"]) == (1, EFFECTIVE_BATCH)), None)
-        if q and q.get("hwm"):
+        if r.get("lean"):
+            lean.setdefault(r["shape"], []).append((r["lean"]["peak_rss"], f"{r['workload']}, the lean phase, first in "
+                                                    "its process (max of VmHWM and sampled VmRSS)"))
+        elif q and q.get("hwm"):
             lean.setdefault(r["shape"], []).append((q["hwm"], f"{r['workload']}, VmHWM of the pilot's 1x8 phase, run first"))
         elif q:
             lean.setdefault(r["shape"], []).append((q["rss_end"], f"{r['workload']}, VmRSS sample after the pilot's 1x8 steps"))
     lmem = payload.get("lowmem")
-    if lmem and lmem["normal"].get("completed"):
+    if lmem and lmem["normal"].get("completed") and not lmem["normal"].get("source"):
         lean.setdefault(lmem["shape"], []).append((lmem["normal"]["peak_rss"], "lm, peak of the low-memory section's normal-mode run"))
     for shape, vals in lean.items():
         peak, where = max(vals)
@@ -878,9 +1061,10 @@ def render_section(p: dict) -> str:
         "- **ORT** = the device path: `TrainSession` (`RuntimeOptions(threads=2)`) + `train_step`, fed the "
         "micro-batches `android_runner/loop.py` builds (`DataOrder(n, seed=0, micro)` + `collate`, right-padded to "
         "the longest sequence of each micro-batch), torch not importable in the process (as on a phone). "
-        "`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of 1x8, 2x4, 4x2 in a pilot run "
-        f"(one process, the three settings in turn, 1 warm-up + {s['pilot_steps']} measured steps each, lowest "
-        "median step time wins; pilot numbers in the JSON).",
+        "`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of 1x8, 2x4, 4x2 in a pilot "
+        f"(`--pilot`: one process per shape and workload, the three settings in turn, 1 warm-up + {s['pilot_steps']} "
+        "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
+        "(pilot numbers below when this run re-measured them).",
         "- **PyTorch** = `eval.reference.reference_train` (PEFT LoRA with the bundle's own `target_modules`, "
         "transformers' default attention (SDPA), base model in `eval()`, AdamW, clipping 1.0, loss = summed NLL "
         "over the step's labelled tokens / their count), `torch.set_num_threads(2)`, one micro-batch of the same 8 "
@@ -892,16 +1076,20 @@ def render_section(p: dict) -> str:
         "- Tokenizers: GPT-2's for gpt2-124m **and gemma3-270m** (Gemma's own is not in `../shared`; with random "
         "weights any tokenizer whose vocabulary (50,257) is <= the model's (262,144) fits; only the data's token "
         "counts change), Qwen2.5's for qwen2.5-0.5b.",
-        f"- Each configuration: {s['rounds']} runs (rounds A B C A B C: ort-8x1, torch-8x1, ort-best), each "
-        f"{s['warmup']} warm-up + {s['steps']} measured steps on the same data; the same steps in every run. "
+        f"- Lockstep, per shape: three processes (ort-8x1, torch-8x1, ort-best) load at the same time, then take "
+        f"turns one step at a time (A B C A B C ...), so no two steps ever overlap and slow phases of the machine hit "
+        f"all three alike: first the sft workload, then lm, each {s['warmup']} warm-up + {s['steps']} measured steps "
+        "on the same data in every process. Before its sft phase, the ort-8x1 process runs the memory-lean setting "
+        "1x8 on lm (1 warm-up + 1 measured step), while nothing else has been allocated in it: that phase gives the "
+        "lean peak RSS and the normal-mode comparison of the low-memory section. "
         "Step time = `StepResult.seconds` (ORT: forward/backward of every micro-batch, grad norm, optimizer step) "
         "or the time from handing the batch to `reference_train` to its progress callback (PyTorch: forward, "
-        "backward, clip, AdamW, scheduler). Headline = median step of the least-disturbed run of each configuration "
-        "(the machine was shared; other users' load only slows a run down), with (min-max) over all measured steps "
-        "of all runs; every run's median is listed too.",
+        "backward, clip, AdamW, scheduler). Headline = median of the measured steps, with (min-max).",
         "- tokens/s = real tokens (attention_mask sum) / step time; labelled tok/s = tokens carrying loss.",
-        "- Peak RSS = max over the runs of max(ru_maxrss of the child from wait4, VmRSS sampled from "
-        "/proc/PID/status every 0.1 s); it includes the interpreter, tokenizer, data and (ORT) session creation.",
+        "- Peak RSS per workload = max(the phase's VmHWM, reset through /proc/self/clear_refs when the phase starts; "
+        "VmRSS sampled by the parent every 0.1 s during the phase); it includes the interpreter, tokenizer, both "
+        "workloads' data and (ORT) the session. A process runs sft before lm: what an allocator keeps from sft "
+        "can only add to lm's peak, never hide it.",
         "",
     ]
     gpt2 = p["setups"].get("gpt2-124m")
@@ -911,14 +1099,12 @@ def render_section(p: dict) -> str:
                   "128-token step is the same; only the position table (and the causal-mask constant) is smaller "
                   "(393k instead of 786k parameters, 1.5 MiB).", ""]
     lines += ["### Throughput and peak RSS", "",
-              "Step s, tokens/s, GFLOP/s and % of GEMM: median of the least-disturbed run (min-max over every "
-              "measured step of every run); \"run medians\" shows each run's median step time, so a run slowed down "
-              "by other users of the machine is visible. ORT/PyTorch = ratio of the tokens/s medians (in brackets: "
-              "the same ratio from the pooled medians of all steps). CPU/wall = process CPU seconds per wall second "
-              "during the steps (2.0 = both cores busy for this run).", "",
-              "| shape | workload | config | step s | run medians s | tokens/s | labelled tok/s | ORT/PyTorch tok/s | "
+              "Step s, tokens/s, GFLOP/s and % of GEMM: median of the measured steps (min-max). ORT/PyTorch = ratio "
+              "of the tokens/s medians. CPU/wall = process CPU seconds per wall second during the steps (2.0 = both "
+              "cores busy).", "",
+              "| shape | workload | config | step s | tokens/s | labelled tok/s | ORT/PyTorch tok/s | "
               "peak RSS MiB | GFLOP/step | GFLOP/s | % of GEMM | CPU/wall |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in p["results"]:
         if not r.get("ok"):
             lines.append(f"| {r['shape']} | | **FAILED** | {r.get('error', '')[:200]} | | | | | | | |")
@@ -928,17 +1114,18 @@ def render_section(p: dict) -> str:
             if not c.get("ok"):
                 lines.append(f"| {r['shape']} | {r['workload']} | {key} | **FAILED** | | | | | | | |")
                 continue
-            ratio = (f"{c['tokens_per_s']['median'] / t['tokens_per_s']['median']:.2f}x "
-                     f"({c['tokens_per_s']['pooled_median'] / t['tokens_per_s']['pooled_median']:.2f}x)"
+            ratio = (f"{c['tokens_per_s']['median'] / t['tokens_per_s']['median']:.2f}x"
                      if c["backend"] == "ort" and t.get("ok") else "1")
             eff = f"{c['efficiency']['median']:.0%}" if c.get("efficiency") else "-"
             cpu = f"{c['cpu_per_wall']['median']:.2f}" if c.get("cpu_per_wall") else "-"
             lines.append(
                 f"| {r['shape']} | {r['workload']} | {key} | {_rng(c['step_seconds'])} | "
-                f"{' / '.join(f'{x:.2f}' for x in c['run_median_step_seconds'])} | "
                 f"{_rng(c['tokens_per_s'], '{:.0f}')} | {c['label_tokens_per_s']['median']:.0f} | {ratio} | "
                 f"{_mib(c['peak_rss'])} | {c['gflop_per_step']:.0f} | {_rng(c['achieved_gflops'], '{:.1f}')} | {eff} | {cpu} |")
-    lines += ["", "Pilot (ORT micro-batch x accum, median step seconds, one process): " + "; ".join(
+    if p.get("best_splits_measured"):
+        lines += ["", f"ort-best splits from `bench/best_splits.json`, measured {p['best_splits_measured']}."]
+    lines += [] if not any(r.get("pilot") for r in p["results"]) else [
+        "", "Pilot (ORT micro-batch x accum, median step seconds, one process): " + "; ".join(
         f"{r['shape']} {r['workload']}: " + ", ".join(f"{q['micro']}x{q['accum']} {q['median_step_s']:.2f}" for q in r["pilot"])
         + f" -> {r['best'][0]}x{r['best'][1]}" for r in p["results"] if r.get("ok") and r["pilot"]) + ".", ""]
     losses = []
