@@ -28,7 +28,7 @@ def _add_gen(sub) -> None:
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--targets", default="attn", help="attn | all-linear | comma list of module names")
+    p.add_argument("--targets", default="attn", help="attn (q/k/v/o) | mlp-out (the MLP output projection: down_proj, GPT-2 mlp.c_proj) | all-linear | comma list of module names")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--shard-mb", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")

@@ -67,7 +67,7 @@ def _check_targets(model, targets: list[str], asked: str) -> None:
             suffixes = sorted({".".join(n.split(".")[-2:]) for n in linear_names} | {n.split(".")[-1] for n in linear_names})
             raise ExportError(
                 f"--targets {asked}: no linear layer named {t!r} in this model. "
-                f"Known names: {', '.join(suffixes)}. Or use --targets attn / all-linear."
+                f"Known names: {', '.join(suffixes)}. Or use --targets attn / mlp-out / all-linear."
             )
 
 

@@ -17,6 +17,7 @@ class Family:
     body_attr: str                     # attribute of the *ForCausalLM holding the decoder body
     attn_targets: tuple[str, ...]      # PEFT target_modules for --targets attn
     mlp_targets: tuple[str, ...]       # added for --targets all-linear
+    mlp_out_target: str                # --targets mlp-out: the MLP's output projection only
     fan_in_fan_out: bool               # GPT-2's Conv1D stores (in, out)
     opset: int                         # Gemma3's sliding-window mask needs opset 18 (bitwise_and)
     max_positions_key: str
@@ -27,6 +28,8 @@ class Family:
     def target_modules(self, targets: str) -> list[str]:
         if targets == "attn":
             return list(self.attn_targets)
+        if targets == "mlp-out":
+            return [self.mlp_out_target]
         if targets == "all-linear":
             return list(self.attn_targets + tuple(t for t in self.mlp_targets if t not in dict(self.broken_targets)))
         return [t.strip() for t in targets.split(",") if t.strip()]
@@ -43,6 +46,7 @@ FAMILIES: dict[str, Family] = {
             # GPT-2 has c_proj in both attention and MLP: qualify with the parent to stay in attention.
             attn_targets=("attn.c_attn", "attn.c_proj"),
             mlp_targets=("mlp.c_fc", "mlp.c_proj"),
+            mlp_out_target="mlp.c_proj",
             fan_in_fan_out=True,
             opset=17,
             max_positions_key="n_positions",
@@ -54,6 +58,7 @@ FAMILIES: dict[str, Family] = {
             body_attr="model",
             attn_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
             mlp_targets=("gate_proj", "up_proj", "down_proj"),
+            mlp_out_target="down_proj",
             fan_in_fan_out=False,
             opset=17,
             max_positions_key="max_position_embeddings",
@@ -65,6 +70,7 @@ FAMILIES: dict[str, Family] = {
             body_attr="model",
             attn_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
             mlp_targets=("gate_proj", "up_proj", "down_proj"),
+            mlp_out_target="down_proj",
             fan_in_fan_out=False,
             opset=18,
             max_positions_key="max_position_embeddings",

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -30,15 +31,17 @@ class Recipe:
     """The fine-tuning recipe, tuned on this machine (see README)."""
     r: int = 8
     alpha: float = 16.0
-    targets: str = "attn"
-    steps: int = 200
+    targets: str = "mlp-out"      # LoRA on the MLP output projection only: attention (q/k/v/o) adapters trained on
+                                  # short Q&A lost long-context ability (docs/DEMO.md, rows 12-15 vs 16-17)
+    steps: int = 166              # one pass over train.jsonl: (99 questions x 12 + 144 replay snippets) / 8
     micro_batch: int = 8
     accum: int = 1
     lr: float = 3e-3
     qa_repeats: int = 12          # the 99 training questions, each written this many times into train.jsonl
-    replay: int = 400             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
-    replay_words: int = 12        # words per snippet: short snippets keep the 262k-vocabulary head's cost low
-    group_by_length: bool = False  # micro-batches of similar lengths (train --group-by-length)
+    replay: int = 144             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
+    replay_words: int = 80        # ~100 tokens each: long enough to keep every position of the window in shape
+    group_by_length: bool = True  # micro-batches of similar lengths (train --group-by-length): the long replay
+                                  # snippets share micro-batches instead of padding the short Q&A ones
     warmup: int = 5
     seq_len: int = 128
     trace_speed: float = 40.0     # the 2-hour evening replays in 3 minutes
@@ -75,7 +78,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     from ort_trainer.session import EvalSession
 
     from .cli import bos_windows
-    from .metrics import perplexity
+    from .metrics import perplexity, perplexity_by_position
     from .ort_scorer import OrtScorer
 
     recipe = recipe or Recipe()
@@ -114,10 +117,12 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         BOS at the start of every window, the way the model is always used."""
         hf = perplexity(scorer, wiki_ids, recipe.seq_len, recipe.seq_len)
         out = {"hf": hf.ppl, "hf_tokens": hf.tokens}
-        if tok.prefix_ids:
+        if tok.prefix_ids:      # scored by position range; together the ranges are the whole BOS-window text
             body, prefix = bos_windows(wiki_ids, tok)
-            bos = perplexity(scorer, body, recipe.seq_len, recipe.seq_len - len(prefix), prefix=prefix)
-            out.update(bos=bos.ppl, bos_tokens=bos.tokens)
+            ranges = [(len(prefix), 16), (16, 48), (48, recipe.seq_len)]
+            parts = perplexity_by_position(scorer, body, recipe.seq_len, prefix, ranges)
+            nll, n = sum(r.nll_sum for r in parts.values()), sum(r.tokens for r in parts.values())
+            out.update(bos=math.exp(nll / n), bos_tokens=n, by_position={k: r.ppl for k, r in parts.items()})
         return out
 
     t = _phase(log, 3, "before fine-tuning (base model, ORT eval graph)")
@@ -151,6 +156,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         "heldout": len(heldout),
         "ppl_before": ppl_before, "ppl_after": ppl_after,
         "ppl_rise": {k: ppl_after[k] / ppl_before[k] - 1.0 for k in ("hf", "bos") if k in ppl_before},
+        "ppl_rise_by_position": {k: v / ppl_before["by_position"][k] - 1.0
+                                 for k, v in ppl_after.get("by_position", {}).items()},
         "samples": [{"question": q, "answer": h["answer"], "base": b, "tuned_standalone_onnx": s}
                     for q, h, b, s in zip(questions[:5], heldout[:5], before[:5], samples)],
         "answers": [{"question": q, "gold": h["answer"], "before": b, "after": a, "kind": h["kind"]}
@@ -165,7 +172,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     pb, pa, rise = result["ppl_before"], result["ppl_after"], result["ppl_rise"]
     log(f"\nheld-out accuracy {result['accuracy_before']:.0%} -> {result['accuracy_after']:.0%}; "
         f"WikiText-2 perplexity {pb['hf']:.2f} -> {pa['hf']:.2f} ({rise['hf']:+.1%})"
-        + (f", with a BOS per window {pb['bos']:.2f} -> {pa['bos']:.2f} ({rise['bos']:+.1%})" if "bos" in rise else "")
+        + (f", with a BOS per window {pb['bos']:.2f} -> {pa['bos']:.2f} ({rise['bos']:+.1%}; by position "
+           + ", ".join(f"{k}: {v:+.1%}" for k, v in result["ppl_rise_by_position"].items()) + ")" if "bos" in rise else "")
         + f"; {result['total_s']:.0f} s in all")
     log(f"report: {report}")
     return result

@@ -47,6 +47,9 @@ def _ppl_rows(result: dict, seq_len: int) -> list[str]:
     if "bos" in rise:
         rows.append(f"| the same text with a BOS at the start of every window ({pb['bos_tokens']} scored tokens) | "
                     f"{pb['bos']:.3f} | {pa['bos']:.3f} ({rise['bos']:+.1%}) |")
+    for k, v in result.get("ppl_rise_by_position", {}).items():
+        rows.append(f"| ... only the tokens at positions {k} of each window | {pb['by_position'][k]:.3f} | "
+                    f"{pa['by_position'][k]:.3f} ({v:+.1%}) |")
     return rows
 
 

@@ -93,6 +93,7 @@ def perplexity(
     batch_size: int = 8,
     pad_id: int = 0,
     prefix: Sequence[int] = (),
+    positions: tuple[int, int] | None = None,
 ) -> PerplexityResult:
     """Sliding-window perplexity of one token stream, HF's perplexity guide with exact sums.
 
@@ -106,6 +107,10 @@ def perplexity(
     on every sequence (Gemma), HF's definition scores all windows after the first without it, which
     is a different regime; `prefix=[bos]` with the stream's own leading BOS removed measures the model
     as it is used. Both are reported where it matters (docs/EVALUATION.md).
+
+    `positions=(lo, hi)`: score only the tokens at window positions lo..hi-1 (position 0 is the window's
+    first token, the prefix included); with a BOS prefix and stride = window, this says whether a model
+    changed at the start of a context or deep into it (perplexity_by_position).
     """
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     pre = np.asarray(list(prefix), dtype=np.int64)
@@ -134,6 +139,9 @@ def perplexity(
             if len(pre):
                 window = np.concatenate([pre, window])
                 labels = np.concatenate([np.full(len(pre), IGNORE_INDEX, dtype=np.int64), labels])
+            if positions is not None:
+                labels[: positions[0]] = IGNORE_INDEX
+                labels[positions[1]:] = IGNORE_INDEX
             rows.append(window)
             label_rows.append(labels)
         input_ids, attention_mask, labels = pad_right(rows, pad_id, label_rows)
@@ -150,6 +158,15 @@ def perplexity(
         ppl=math.exp(nll_sum / tokens), nll_sum=nll_sum, tokens=tokens,
         windows=len(windows), seq_len=seq_len + len(pre), stride=stride,
     )
+
+
+def perplexity_by_position(scorer: Scorer, token_ids: np.ndarray, seq_len: int, prefix: Sequence[int],
+                           ranges: Sequence[tuple[int, int]], **kw) -> dict[str, PerplexityResult]:
+    """Perplexity of disjoint prefix-started windows, split by position in the window: {"lo-hi": result}
+    for each range [lo, hi) (hi is exclusive; the label shows it inclusive, e.g. "48-127")."""
+    stride = seq_len - len(prefix)
+    return {f"{lo}-{hi - 1}": perplexity(scorer, token_ids, seq_len, stride, prefix=prefix, positions=(lo, hi), **kw)
+            for lo, hi in ranges}
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,3 +186,34 @@ def test_manifest_hashes_verify_and_detect_damage(built, tmp_path):
     shard.write_bytes(bytes(data[:-10]))
     with pytest.raises(BundleError, match="bytes"):
         open_bundle(copy, verify="sizes")
+
+
+MLP_OUT = {"gpt2": "mlp.c_proj", "qwen2": "down_proj", "gemma3": "down_proj"}   # HF's names, written out here
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_out_targets_only_the_mlp_output_and_grads_match_autograd(family, tmp_path):
+    """--targets mlp-out (the demo's recipe): one adapter per layer, on the MLP's output projection, and ORT's
+    LoRA gradients equal PyTorch autograd's through an independently built PEFT model."""
+    ckpt, path = build_tiny_bundle(family, tmp_path, targets="mlp-out")
+    bundle = open_bundle(path)
+    man = bundle.manifest
+    assert man.lora.target_modules == [MLP_OUT[family]]
+    ref = peft_reference(ckpt, man)
+    params = peft_lora_params(ref)
+    layers = ref.base_model.model.config.num_hidden_layers
+    assert len(params) == 2 * layers and all(MLP_OUT[family] + ".lora_" in k for k in params)
+    assert sorted(t.peft_key for t in man.trainable) == sorted(params)
+
+    lora = random_lora(man, seed=4)
+    batch = sample_batch(man.model.vocab_size, 2, 40, seed=5)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    sess = TrainSession(bundle)
+    sess.set_lora(to_onnx_layout(man, lora))
+    sess.forward_backward(batch, 1.0 / n)
+    ort_grads = to_peft_layout(man, sess.grads())
+    load_lora_into(ref, lora)
+    ref(**torch_batch(batch)).loss.backward()
+    for key, p in params.items():
+        g = p.grad.numpy()
+        assert np.linalg.norm(ort_grads[key] - g) / np.linalg.norm(g) <= 1e-4, key

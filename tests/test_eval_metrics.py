@@ -17,6 +17,7 @@ from eval.metrics import (
     mmlu_prompt,
     mmlu_subjects,
     perplexity,
+    perplexity_by_position,
 )
 from eval.torch_scorer import TorchScorer
 from tiny_models_eval import GPT2_TOKENIZER, VOCAB, gpt2_encoder, random_batch, tiny_gpt2
@@ -184,6 +185,31 @@ def test_perplexity_with_bos_per_window(model, scorer):
     assert res.nll_sum == pytest.approx(nll, rel=1e-5)
     with pytest.raises(ValueError):           # stride above the 31 text tokens a window holds
         perplexity(scorer, ids, 32, 32, prefix=[bos])
+
+
+def test_perplexity_by_position_with_bos(model, scorer):
+    """Each position range scored by hand; together the ranges are the whole BOS-window perplexity."""
+    bos = 1
+    ids = np.random.default_rng(9).integers(2, VOCAB, 100).astype(np.int64)
+    ranges = [(1, 5), (5, 20), (20, 32)]
+    got = perplexity_by_position(scorer, ids, 32, [bos], ranges, batch_size=3)
+    assert list(got) == ["1-4", "5-19", "20-31"]
+    whole_nll = 0.0
+    for lo, hi in ranges:
+        nll, tokens = 0.0, 0
+        for begin in range(0, len(ids), 31):
+            chunk = ids[begin:begin + 31]
+            logp = log_softmax64(model_logits(model, np.concatenate([[bos], chunk])))[0]
+            for t in range(len(chunk)):            # chunk[t] sits at window position t + 1
+                if lo <= t + 1 < hi:
+                    nll -= logp[t, chunk[t]]
+                    tokens += 1
+        res = got[f"{lo}-{hi - 1}"]
+        assert res.tokens == tokens and res.nll_sum == pytest.approx(nll, rel=1e-5)
+        whole_nll += res.nll_sum
+    whole = perplexity(scorer, ids, 32, 31, batch_size=3, prefix=[bos])
+    assert sum(r.tokens for r in got.values()) == whole.tokens
+    assert whole_nll == pytest.approx(whole.nll_sum, rel=1e-6)
 
 
 def test_perplexity_rejects_bad_stride(scorer):
