@@ -145,7 +145,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     merged = export_onnx(bundle, trained, work / "export" / "model.onnx")
     standalone = OrtScorer(bundle, trained)
     standalone.session = EvalSession.from_model(merged)     # same interface, adapter baked in, no LoRA inputs
-    samples = _answers(standalone, tok, questions[:5], recipe.max_new_tokens)
+    shown = _one_per_kind(heldout, 5)        # a sample of every kind of fact; report.md lists all of them
+    samples = _answers(standalone, tok, [questions[i] for i in shown], recipe.max_new_tokens)
     timings["eval_after_s"] = time.time() - t
 
     correct_before = [normalize(a) == normalize(h["answer"]) for a, h in zip(before, heldout)]
@@ -159,7 +160,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         "ppl_rise_by_position": {k: v / ppl_before["by_position"][k] - 1.0
                                  for k, v in ppl_after.get("by_position", {}).items()},
         "samples": [{"question": q, "answer": h["answer"], "base": b, "tuned_standalone_onnx": s}
-                    for q, h, b, s in zip(questions[:5], heldout[:5], before[:5], samples)],
+                    for q, h, b, s in zip([questions[i] for i in shown], [heldout[i] for i in shown],
+                                          [before[i] for i in shown], samples)],
         "answers": [{"question": q, "gold": h["answer"], "before": b, "after": a, "kind": h["kind"]}
                     for q, h, b, a in zip(questions, heldout, before, after)],
         "train_summary": {k: summary[k] for k in ("step", "wall_s", "tokens_per_s", "peak_rss_mb", "gate")},
@@ -177,6 +179,14 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         + f"; {result['total_s']:.0f} s in all")
     log(f"report: {report}")
     return result
+
+
+def _one_per_kind(heldout: list[dict], n: int) -> list[int]:
+    """Indices of the first question of each kind, in order, then the next ones, n in all."""
+    firsts = list({h["kind"]: i for i, h in reversed(list(enumerate(heldout)))}.values())[::-1]
+    firsts.sort()
+    rest = [i for i in range(len(heldout)) if i not in firsts]
+    return (firsts + rest)[:n]
 
 
 def _train_on_device(bundle_dir: Path, data: Path, run_dir: Path, recipe: Recipe, log) -> dict:
