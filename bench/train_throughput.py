@@ -291,10 +291,9 @@ class Lockstep:
             except OSError:
                 pass
             if key not in self.failed:            # drain to the result line and EOF
-                deadline = time.time() + self.timeout
-                while (line := self.lines[key].get(timeout=max(1.0, deadline - time.time()))) is not None:
-                    if line.startswith(RESULT_TAG):
-                        self.result_lines[key] = line
+                self._expect(key, "\0never")       # returns at EOF (result line kept); kills a hung worker
+                if key in self.result_lines:          # EOF after the result is the normal end, not a failure
+                    self.failed.pop(key, None)
             _, status, ru = os.wait4(proc.pid, 0)
             code = proc.returncode = os.waitstatus_to_exitcode(status)
             line = self.result_lines.get(key)

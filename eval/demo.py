@@ -119,7 +119,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         out = {"hf": hf.ppl, "hf_tokens": hf.tokens}
         if tok.prefix_ids:      # scored by position range; together the ranges are the whole BOS-window text
             body, prefix = bos_windows(wiki_ids, tok)
-            ranges = [(len(prefix), 16), (16, 48), (48, recipe.seq_len)]
+            q = recipe.seq_len // 8             # 128: positions 1-15, 16-47, 48-127
+            ranges = [(len(prefix), q), (q, 3 * q), (3 * q, recipe.seq_len)]
             parts = perplexity_by_position(scorer, body, recipe.seq_len, prefix, ranges)
             nll, n = sum(r.nll_sum for r in parts.values()), sum(r.tokens for r in parts.values())
             out.update(bos=math.exp(nll / n), bos_tokens=n, by_position={k: r.ppl for k, r in parts.items()})
@@ -183,8 +184,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
 
 def _one_per_kind(heldout: list[dict], n: int) -> list[int]:
     """Indices of the first question of each kind, in order, then the next ones, n in all."""
-    firsts = list({h["kind"]: i for i, h in reversed(list(enumerate(heldout)))}.values())[::-1]
-    firsts.sort()
+    firsts = [i for i, h in enumerate(heldout) if all(x["kind"] != h["kind"] for x in heldout[:i])]
     rest = [i for i in range(len(heldout)) if i not in firsts]
     return (firsts + rest)[:n]
 
