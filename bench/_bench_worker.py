@@ -54,7 +54,7 @@ def _log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-# Lockstep (train_throughput.run_lockstep): the parent keeps one process per configuration alive and lets
+# Lockstep (train_throughput.Lockstep): the parent keeps one process per configuration alive and lets
 # them take turns, one step at a time: "READY" once loaded, then per step wait for a line on stdin, step,
 # print "STEP_DONE". Nothing else runs while a step is measured.
 READY, STEP_DONE = "READY", "STEP_DONE"
@@ -218,7 +218,8 @@ def run_ort(spec: dict) -> dict:
     _done(spec, READY)
     phases, initial = [], {k: v.copy() for k, v in session.lora().items()}
     for ph in spec["phases"]:                         # the pilot and lockstep runs have several
-        session.set_lora(initial)                     # every phase starts from the bundle's LoRA (B = 0)
+        session.set_lora(initial)                     # every phase starts from the bundle's LoRA (B = 0); AdamW's
+                                                      # moments carry over (timing and step-1 loss need only weights)
         _reset_peak()                                 # so each phase's VmHWM is its own (the first is clean)
         examples, report = _examples(spec, ph, tok, bundle.manifest.seq_len, data_cache)
         gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])

@@ -399,12 +399,6 @@ def _measured(run: dict, phase: int = 0) -> list[dict]:
     return [s for s in run["phases"][phase]["steps"] if not s["warmup"]]
 
 
-def run_record(c: ChildResult) -> dict:
-    """What the summary (and a later --rerender) needs of one child run; stored in the JSON."""
-    return {"ok": c.ok, "code": c.code, "wall": round(c.wall, 1), "peak_rss": c.peak_rss(), "ru_maxrss": c.maxrss,
-            "samples": c.samples, "cpu_s": c.cpu_s, "result": c.result, "log_tail": None if c.ok else _tail(c.log_path)}
-
-
 def _mm(xs: list[float], headline: list[float]) -> dict:
     return {"median": statistics.median(headline), "min": min(xs), "max": max(xs), "pooled_median": statistics.median(xs)}
 
