@@ -15,7 +15,7 @@ def _gen(args) -> None:
         args.model, args.out, gguf_file=args.gguf_file,
         lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                           targets=args.targets, seed=args.seed),
-        seq_len=args.seq_len, shard_mb=args.shard_mb, force=args.force,
+        seq_len=args.seq_len, shard_mb=args.shard_mb, head_chunks=args.head_chunks, force=args.force,
     )
     print(result.summary())
 
@@ -31,6 +31,10 @@ def _add_gen(sub) -> None:
     p.add_argument("--targets", default="attn", help="attn (q/k/v/o) | mlp-out (the MLP output projection: down_proj, GPT-2 mlp.c_proj) | all-linear | comma list of module names")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--shard-mb", type=int, default=256)
+    p.add_argument("--head-chunks", type=int, default=None,
+                   help="(default 16) the training graph computes the LM head and its gradient in up to this many slices of "
+                        "at least 48 labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
+                        "slice re-reads the head weight. 1 = the whole head at once")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")
     p.set_defaults(func=_gen)

@@ -6,6 +6,7 @@ place at the end, so a failed run leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ from ort_trainer import manifest as mf
 from ort_trainer.bundle import sha256_file
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 
-from . import graph_fixes
+from . import graph_fixes, head_loss, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
@@ -135,6 +136,8 @@ def build_bundle(
     lora: LoraSettings | None = None,
     seq_len: int = 128,
     shard_mb: int = 256,
+    head_chunks: int | None = None,
+    head_min_rows: int = head_loss.MIN_ROWS,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -148,6 +151,12 @@ def build_bundle(
     check_out_dir(out, force)
     if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
         raise ValueError(f"LoRA settings r={lora.r} alpha={lora.alpha} dropout={lora.dropout}: need r >= 1, alpha > 0, 0 <= dropout < 1.")
+
+    head_chunks = head_loss.DEFAULT_CHUNKS if head_chunks is None else head_chunks
+    if not 1 <= head_chunks <= 64:
+        raise ValueError(f"--head-chunks {head_chunks}: use 1 to 64 (1 = the whole head at once, fastest; more = less memory).")
+    if head_min_rows < 1:
+        raise ValueError(f"head_min_rows {head_min_rows}: must be >= 1.")
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
@@ -185,7 +194,9 @@ def build_bundle(
                 "split a tensor, so each is stored alone in its own shard file")
         del peft_model, src.model
         shutil.rmtree(trace_dir)
-        _generate_artifacts(forward, stage, [t.onnx_name for t in train])
+        softcap = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
+        _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows,
+                            float(softcap) if softcap else None)
         _check_artifacts(stage, plan.files)
 
         log("[5/5] tokenizer, config and manifest")
@@ -225,7 +236,7 @@ def build_bundle(
             optimizer=AdamWSpec().to_dict(),
             train_outputs=["loss"],
             eval_outputs=["loss", "logits"],
-            loss=mf.LossSpec(),
+            loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
             tools=_versions(),
@@ -241,24 +252,30 @@ def build_bundle(
     return BuildResult(manifest, out, time.time() - t0, total, int(sum(np.prod(t.shape) for t in train)))
 
 
-def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str]) -> None:
-    """ORT builds training/eval/optimizer models; only the loss is a training output.
+def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
+                        head_min_rows: int, softcap: float | None) -> None:
+    """ORT builds the training and optimizer models from the forward with its head in row chunks
+    (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
+    forward, which also outputs the logits at the labelled positions.
 
     The frozen weights are neither requires_grad nor frozen_params, so they stay graph
     initializers (pointing at the shards) and the checkpoint holds the LoRA tensors only.
     """
     import onnxruntime
     from onnxruntime.training import artifacts
+    from onnxruntime.training.onnxblock import _training_graph_utils as tgu
 
     onnxruntime.set_default_logger_severity(3)
-    outputs = [o for o in forward.graph.output if o.name != "logits"]
-    logits = [o for o in forward.graph.output if o.name == "logits"]
-    del forward.graph.output[:]
-    forward.graph.output.extend(outputs)
+    eval_model = copy.deepcopy(forward)           # weights are external by now: a small proto
+    train_forward = copy.deepcopy(forward)
+    outputs = [o for o in train_forward.graph.output if o.name != "logits"]
+    del train_forward.graph.output[:]
+    train_forward.graph.output.extend(outputs)
+    head_loss.chunk_head_loss(train_forward, head_chunks, head_min_rows, softcap)
     log_path = stage / "ort-native.log"   # removed below; on failure with the staging directory
     with _cwd(stage), _native_stderr_to(log_path):   # external data locations are relative to the staging dir
         artifacts.generate_artifacts(
-            forward,
+            train_forward,
             requires_grad=requires_grad,
             frozen_params=[],
             loss=None,
@@ -266,11 +283,15 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
             artifact_directory=".",
         )
     log_path.unlink(missing_ok=True)
+    train_path = stage / mf.TRAINING_MODEL
+    training = onnx.load(str(train_path), load_external_data=False)
+    if slow_kernels.replace_fast_gelu_grad(training):
+        onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
-    eval_path = stage / mf.EVAL_MODEL
-    eval_model = onnx.load(str(eval_path), load_external_data=False)
-    eval_model.graph.output.extend(logits)
-    onnx.save(eval_model, str(eval_path))
+    # What generate_artifacts does to its eval model: trainable initializers become inputs, training mode off.
+    tgu._move_initializers_to_inputs(eval_model, set(requires_grad))
+    tgu._disable_training_mode(eval_model)
+    onnx.save(eval_model, str(stage / mf.EVAL_MODEL))
 
 
 def _check_artifacts(stage: Path, shard_files: list[str]) -> None:

@@ -32,23 +32,26 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, **config_overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), torch_dtype=torch.float32)
+    config = tiny_config(family)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model.eval()
 
 
-def make_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
+def make_tiny_checkpoint(family: str, directory: Path, seed: int = 0, **config_overrides) -> Path:
     from transformers import AutoTokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tiny_model(family, seed).save_pretrained(directory, safe_serialization=True)
+    tiny_model(family, seed, **config_overrides).save_pretrained(directory, safe_serialization=True)
     tok_dir = SHARED_DATA / "tokenizers" / ("qwen2.5" if family == "qwen2" else "gpt2")
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(directory)
     return directory

@@ -1,0 +1,111 @@
+"""The training graph's chunked LM head (artifacts_gen/head_loss.py) against autograd through PEFT:
+the loss value and the LoRA gradients, for several chunk counts, an untied head and a logit soft-cap."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from artifacts_gen.build import build_bundle
+from artifacts_gen.export import LoraSettings
+from ort_trainer import manifest as mf
+from ort_trainer.bundle import open_bundle
+from ort_trainer.session import TrainSession
+from tests.bundle_helpers import (
+    SEQ_LEN, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch, to_onnx_layout,
+    to_peft_layout, torch_batch,
+)
+from tests.tiny_models import make_tiny_checkpoint
+
+
+def _build(tmp_path, family: str, chunks: int, min_rows: int = 8, **config_overrides):
+    ckpt = make_tiny_checkpoint(family, tmp_path / "ckpt", **config_overrides)
+    out = tmp_path / "bundle"
+    build_bundle(ckpt, out, lora=LoraSettings(r=4, alpha=8.0), seq_len=SEQ_LEN, shard_mb=64, head_chunks=chunks,
+                 head_min_rows=min_rows, log=lambda *_: None)
+    return ckpt, open_bundle(out)
+
+
+def _check_against_peft(ckpt, bundle, seed: int = 5) -> None:
+    man = bundle.manifest
+    lora = random_lora(man, seed=seed)
+    batch = sample_batch(man.model.vocab_size, 3, 37, seed=seed + 1)     # 3 x 36 rows minus the ignored ones
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    used = min(max(n // man.loss.head_min_rows, 1), man.loss.head_chunks)
+    assert used == 1 or n % used != 0        # several slices: the last one is padded
+
+    sess = TrainSession(bundle)
+    sess.set_lora(to_onnx_layout(man, lora))
+    loss = sess.forward_backward(batch, 1.0 / n)
+    grads = to_peft_layout(man, sess.grads())
+
+    ref = peft_reference(ckpt, man)
+    load_lora_into(ref, lora)
+    out = ref(**torch_batch(batch))
+    out.loss.backward()
+    assert abs(loss - out.loss.item()) <= 1e-5 * abs(out.loss.item())
+    for key, p in peft_lora_params(ref).items():
+        g = p.grad.numpy()
+        assert np.linalg.norm(grads[key] - g) / np.linalg.norm(g) <= 1e-4, key
+
+
+def _head_gemms(bundle) -> tuple[int, list[str]]:
+    model = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False)
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm" and any("/chunked_head/" in o for o in n.output)]
+    sce = [n.op_type for n in model.graph.node if "SoftmaxCrossEntropy" in n.op_type]
+    return len(gemms), sce
+
+
+@pytest.mark.parametrize("chunks, min_rows", [(1, 8), (5, 8), (5, 30)])    # 73 rows: 1, 5, 2 slices used
+def test_chunked_head_loss_and_grads_match_peft(tmp_path, chunks, min_rows):
+    ckpt, bundle = _build(tmp_path, "gpt2", chunks, min_rows)
+    assert bundle.manifest.loss.head_chunks == chunks
+    n_gemm, sce = _head_gemms(bundle)
+    assert n_gemm == 2 * chunks and sce == []     # head forward + dLoss/dh per chunk; no [N, V] loss node
+    _check_against_peft(ckpt, bundle)
+
+
+def test_untied_head(tmp_path):
+    ckpt, bundle = _build(tmp_path, "qwen2", 3, tie_word_embeddings=False)
+    assert not bundle.manifest.model.tie_word_embeddings
+    _check_against_peft(ckpt, bundle)
+
+
+def test_logit_softcap(tmp_path):
+    ckpt, bundle = _build(tmp_path, "gemma3", 3, final_logit_softcapping=0.5)
+    _check_against_peft(ckpt, bundle)
+
+
+def test_bad_chunk_count_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="--head-chunks 0"):
+        build_bundle(tmp_path / "nowhere", tmp_path / "out", head_chunks=0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fast_gelu_grad_replacement_matches_torch_and_ort():
+    """slow_kernels: the elementwise derivative equals ORT's own FastGeluGrad and torch's autograd of
+    gelu(approximate='tanh'), on values across GELU's range."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from artifacts_gen.slow_kernels import replace_fast_gelu_grad
+
+    x = np.linspace(-8, 8, 4001, dtype=np.float32).reshape(1, -1)
+    dy = np.random.default_rng(0).normal(size=x.shape).astype(np.float32)
+    node = helper.make_node("FastGeluGrad", ["dy", "x"], ["dx"], domain="com.microsoft")
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(x.shape)) for n in ("dy", "x", "dx")]
+    model = helper.make_model(helper.make_graph([node], "g", vi[:2], vi[2:]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"dy": dy, "x": x})[0]
+    ort_dx = run(model)
+    assert replace_fast_gelu_grad(model) == 1
+    assert all(n.op_type != "FastGeluGrad" for n in model.graph.node)
+    new_dx = run(model)
+
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    torch.nn.functional.gelu(xt, approximate="tanh").backward(torch.tensor(dy, dtype=torch.float64))
+    ref = xt.grad.numpy()
+    assert np.abs(new_dx - ref).max() <= 1e-5
+    assert np.abs(new_dx - ort_dx).max() <= 1e-5
