@@ -119,6 +119,24 @@ def traceable_masks():
         mu.find_packed_sequence_indices = saved[2]
 
 
+@contextlib.contextmanager
+def fusable_gelu(model):
+    """Trace tanh-approximated GELU modules (Gemma's GELUTanh = F.gelu(approximate="tanh")) as the
+    explicit formula of GPT-2's NewGELUActivation: the same function, in the form ORT fuses into one
+    FastGelu node, which keeps only its input for the backward pass instead of six [tokens, ffn]
+    intermediates (slow_kernels makes its gradient fast)."""
+    from transformers.activations import NewGELUActivation
+
+    patched = [m for m in model.modules() if type(m).__name__ == "GELUTanh"]
+    for m in patched:
+        m.forward = NewGELUActivation.forward.__get__(m)
+    try:
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward
+
+
 def trace_inputs(vocab_size: int, seq_len: int, batch: int = 2):
     """Inputs for tracing: a padded row and prompt-masked labels, so no path is specialised away."""
     g = torch.Generator().manual_seed(1234)
@@ -141,7 +159,7 @@ def export_forward(wrapper: CausalLMWithLoss, family: Family, out_path: Path, tr
     args = trace_inputs(vocab, traced_seq_len)
     dyn = {name: {0: "batch", 1: "seq"} for name in INPUT_NAMES[:3]}
     dyn["logits"] = {0: "labelled"}
-    with traceable_masks(), torch.no_grad():
+    with traceable_masks(), fusable_gelu(wrapper), torch.no_grad():
         torch.onnx.export(
             wrapper,
             args,
