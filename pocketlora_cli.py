@@ -32,8 +32,8 @@ def _add_gen(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--shard-mb", type=int, default=256)
     p.add_argument("--head-chunks", type=int, default=None,
-                   help="(default 16) the training graph computes the LM head and its gradient in up to this many slices of "
-                        "at least 48 labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
+                   help="(default 8) the training graph computes the LM head and its gradient in up to this many slices of "
+                        "at least 128 labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
                         "slice re-reads the head weight. 1 = the whole head at once")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")

@@ -343,7 +343,7 @@ def run_gemm(spec: dict) -> dict:
     from onnx import TensorProto, helper
 
     threads = spec["threads"]
-    min_time = spec.get("min_time", 0.6)
+    min_time = spec.get("min_time", 0.3)
     rng = np.random.default_rng(0)
     out = []
 

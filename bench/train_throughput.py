@@ -773,6 +773,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pilot", action="store_true",
                     help=f"re-measure the best micro-batch x accum of each shape and workload (adds ~9 min) and "
                          f"store it in {BEST_SPLITS.name}; without it, the stored choice is used")
+    ap.add_argument("--pilot-only", action="store_true",
+                    help=f"only the pilot (after building the bundles): store the best splits in {BEST_SPLITS.name} and stop")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pocketlora-bench"))
     ap.add_argument("--quick", action="store_true", help="tiny configs, smoke test (< 2 min); docs untouched")
     ap.add_argument("--no-lowmem", action="store_true", help="skip the low-memory run")
@@ -787,6 +789,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-only", action="store_true",
                     help="only the --profile runs, added to the existing results JSON; docs and plot re-rendered")
     args = ap.parse_args(argv)
+    args.pilot = args.pilot or args.pilot_only
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if bad := [s for s in shapes if s not in SHAPES]:
@@ -848,7 +851,7 @@ def main(argv=None) -> int:
     dims = {n: model_dims(s["config"]) for n, s in setups.items() if s.get("ok", True)}
 
     # 2. GEMM throughput on the step's own shapes (again at the end: the better of the two is used)
-    gemm = measure_gemm(dims, sub, args.quick, "start")
+    gemm = None if args.pilot_only else measure_gemm(dims, sub, args.quick, "start")
 
     # 3. best split per shape and workload: from BEST_SPLITS (the last --pilot), or a pilot now
     best_splits = json.loads(BEST_SPLITS.read_text()) if BEST_SPLITS.is_file() and not args.quick else {}
@@ -861,8 +864,14 @@ def main(argv=None) -> int:
                 pilots[name, wl] = run_pilot(setups[name], wl, data, sub, pilot_steps, timeout)
                 best_splits.setdefault(name, {})[wl] = pilots[name, wl][1]
     if args.pilot and not args.quick:
-        best_splits["_measured"] = info["date"] + " (pilot of this run, in its results JSON)"
+        best_splits["_measured"] = info["date"] + (" (pilot of this run, in its results JSON)" if not args.pilot_only else
+                                                   " (--pilot-only; median step s, 1x8 / 2x4 / 4x2: " + "; ".join(
+            f"{name} {wl} " + " / ".join(f"{q['median_step_s']:.2f}" for q in table)
+            for (name, wl), (table, _) in pilots.items()) + ")")
         BEST_SPLITS.write_text(json.dumps(best_splits, indent=1) + "\n")
+    if args.pilot_only:
+        log(f"pilot only: best splits written to {BEST_SPLITS}")
+        return 0
     info["best_splits_measured"] = best_splits.get("_measured", "by this run's pilot")
 
     # 4. per shape, one lockstep: ort-8x1, torch-8x1, ort-best take turns step by step (sft, then lm)
