@@ -17,6 +17,7 @@ from pathlib import Path
 from ort_trainer import checkpoint
 from ort_trainer.bundle import open_bundle
 from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples
+from ort_trainer.memory import trim_heap
 from ort_trainer.optimizer_graph import AdamWSpec
 from ort_trainer.schedule import SCHEDULES, lr_at
 from ort_trainer.session import RuntimeOptions, TrainSession
@@ -122,6 +123,9 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     man = bundle.manifest
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     examples, report = load_examples(cfg.data, tok, man.seq_len)
+    pad_id = tok.pad_id
+    del tok          # only the data needed it: its memory goes back before the session allocates
+    trim_heap()
     log(report.summary())
     order = DataOrder(len(examples), cfg.seed, cfg.micro_batch,
                       lengths=[len(e.input_ids) for e in examples] if cfg.group_by_length else None)
@@ -172,7 +176,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
             continue
 
         position = order.state_dict()
-        micro = [collate([examples[i] for i in order.next_batch()[0]], tok.pad_id) for _ in range(cfg.accum)]
+        micro = [collate([examples[i] for i in order.next_batch()[0]], pad_id) for _ in range(cfg.accum)]
         lr = lr_at(step, cfg.lr, cfg.warmup, total, cfg.schedule)
         result = train_step(session, micro, lr, should_stop=stop)
         if result is None:                           # signal mid-step: that step runs again on resume

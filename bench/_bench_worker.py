@@ -162,13 +162,13 @@ def setup(spec: dict) -> dict:
 
 # --------------------------------------------------------------------------------------- common
 
-def _batches(spec: dict, tok, examples, micro: int, accum: int):
+def _batches(spec: dict, pad_id: int, examples, micro: int, accum: int):
     """The micro-batches android_runner/loop.py builds: DataOrder(n, seed, micro), accum of them per step."""
     from ort_trainer.data import DataOrder, collate
 
     order = DataOrder(len(examples), spec.get("seed", 0), micro)
     while True:
-        yield [collate([examples[i] for i in order.next_batch()[0]], tok.pad_id) for _ in range(accum)]
+        yield [collate([examples[i] for i in order.next_batch()[0]], pad_id) for _ in range(accum)]
 
 
 def _shapes(micro_batches) -> list[list[int]]:
@@ -188,6 +188,7 @@ def run_ort(spec: dict) -> dict:
     t_start = time.perf_counter()
     from ort_trainer.bundle import open_bundle
     from ort_trainer.data import TextTokenizer
+    from ort_trainer.memory import trim_heap
     from ort_trainer.session import RuntimeOptions, TrainSession
     from ort_trainer.step import train_step
 
@@ -197,6 +198,9 @@ def run_ort(spec: dict) -> dict:
     data_cache: dict = {}
     for ph in spec["phases"]:
         examples, report = _examples(spec, ph, tok, bundle.manifest.seq_len, data_cache)
+    pad_id = tok.pad_id
+    del tok                                           # as android_runner/loop.py: the data is tokenized
+    trim_heap()
     rss["after_data"] = _status()
     options = RuntimeOptions(threads=spec["threads"], memory=spec.get("memory", "normal"))
     if spec.get("profile"):
@@ -221,8 +225,8 @@ def run_ort(spec: dict) -> dict:
         session.set_lora(initial)                     # every phase starts from the bundle's LoRA (B = 0); AdamW's
                                                       # moments carry over (timing and step-1 loss need only weights)
         _reset_peak()                                 # so each phase's VmHWM is its own (the first is clean)
-        examples, report = _examples(spec, ph, tok, bundle.manifest.seq_len, data_cache)
-        gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
+        examples, report = _examples(spec, ph, None, bundle.manifest.seq_len, data_cache)   # cached above
+        gen = _batches(spec, pad_id, examples, ph["micro"], ph["accum"])
         steps = []
         for i in range(ph["warmup"] + ph["steps"]):
             micro = next(gen)
@@ -265,6 +269,7 @@ def run_torch(spec: dict) -> dict:
 
     from eval.reference import TrainConfig, make_peft_model, reference_train
     from ort_trainer.data import TextTokenizer
+    from ort_trainer.memory import trim_heap
 
     rss = {"start": _status()}
     man = json.loads((Path(spec["bundle"]) / "manifest.json").read_text())
@@ -272,6 +277,9 @@ def run_torch(spec: dict) -> dict:
     data_cache: dict = {}
     for ph in spec["phases"]:
         examples, report = _examples(spec, ph, tok, man["seq_len"], data_cache)
+    pad_id = tok.pad_id
+    del tok                                           # as the ORT worker does
+    trim_heap()
     rss["after_data"] = _status()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32)
@@ -290,9 +298,9 @@ def run_torch(spec: dict) -> dict:
                 if n in initial:
                     p.copy_(initial[n])
         _reset_peak()
-        examples, report = _examples(spec, ph, tok, man["seq_len"], data_cache)
+        examples, report = _examples(spec, ph, None, man["seq_len"], data_cache)     # cached above
         total = ph["warmup"] + ph["steps"]
-        gen = _batches(spec, tok, examples, ph["micro"], ph["accum"])
+        gen = _batches(spec, pad_id, examples, ph["micro"], ph["accum"])
         steps: list[dict] = []
 
         def step_iter():

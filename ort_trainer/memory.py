@@ -1,0 +1,25 @@
+"""Give freed heap memory back to the OS.
+
+The tokenizer (a Rust object; ~100 MB for Qwen2.5's 151k vocabulary) is only needed to prepare the
+data. Dropping it frees its memory into the C allocator, which keeps it; ORT's large buffers come
+from fresh mappings and cannot reuse those pieces, so without a trim that memory stays resident for
+the whole run. glibc's malloc_trim returns it. Other C libraries (Android's bionic/scudo) have no
+such call, and there this is a no-op.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+
+def trim_heap() -> bool:
+    """malloc_trim(0) where the C library has it; True if it ran."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
