@@ -195,6 +195,7 @@ def build_bundle(
         del peft_model, src.model
         shutil.rmtree(trace_dir)
         softcap = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
+        log(f"      training graph: LM head + loss in up to {head_chunks} slices of >= {head_min_rows} labelled rows")
         _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows,
                             float(softcap) if softcap else None)
         _check_artifacts(stage, plan.files)
