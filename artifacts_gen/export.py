@@ -123,7 +123,7 @@ def traceable_masks():
 def fusable_gelu(model):
     """Trace tanh-approximated GELU modules (Gemma's GELUTanh = F.gelu(approximate="tanh")) as the
     explicit formula of GPT-2's NewGELUActivation: the same function, in the form ORT fuses into one
-    FastGelu node, which keeps only its input for the backward pass instead of six [tokens, ffn]
+    FastGelu node, which keeps only its input for the backward pass instead of several [tokens, ffn]
     intermediates (slow_kernels makes its gradient fast)."""
     from transformers.activations import NewGELUActivation
 

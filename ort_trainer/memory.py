@@ -1,9 +1,8 @@
 """Give freed heap memory back to the OS.
 
 The tokenizer (a Rust object; ~100 MB for Qwen2.5's 151k vocabulary) is only needed to prepare the
-data. Dropping it frees its memory into the C allocator, which keeps it; ORT's large buffers come
-from fresh mappings and cannot reuse those pieces, so without a trim that memory stays resident for
-the whole run. glibc's malloc_trim returns it. Other C libraries (Android's bionic/scudo) have no
+data. Dropping it frees its memory into the C allocator, which keeps it: measured here, RSS did not
+fall after `del`, and fell by ~105 MB after glibc's malloc_trim, which returns free heap pages. Other C libraries (Android's bionic/scudo) have no
 such call, and there this is a no-op.
 """
 from __future__ import annotations
