@@ -27,6 +27,8 @@ def replace_fast_gelu_grad(model: onnx.ModelProto) -> int:
     """Rewrite every com.microsoft FastGeluGrad(dY, X) without a bias input; returns how many."""
     g = model.graph
     consts = {"k": K, "kc": K * C, "half": 0.5, "one": 1.0, "half_k": 0.5 * K, "three_half_kc": 1.5 * K * C}
+    c = {name: PREFIX + name for name in consts}
+    n = helper.make_node
     out, count = [], 0
     for node in g.node:
         if not (node.op_type == "FastGeluGrad" and node.domain == "com.microsoft" and len(node.input) == 2):
@@ -35,8 +37,6 @@ def replace_fast_gelu_grad(model: onnx.ModelProto) -> int:
         dy, x = node.input
         dx = node.output[0]
         b = f"{PREFIX}{count}/"
-        c = {name: PREFIX + name for name in consts}
-        n = helper.make_node
         out += [
             n("Mul", [x, x], [b + "x2"]),
             n("Mul", [b + "x2", c["kc"]], [b + "kc_x2"]),

@@ -672,6 +672,13 @@ def setup_shape(name: str, sub: Path, quick: bool) -> dict:
     return c.result
 
 
+def _pilot_summary(pilots: dict) -> str:
+    """The pilot's numbers for best_splits.json, when no results JSON keeps them (--pilot-only)."""
+    per = "; ".join(f"{name} {wl} " + " / ".join(f"{q['median_step_s']:.2f}" for q in table)
+                    for (name, wl), (table, _) in pilots.items())
+    return f" (--pilot-only; median step s, {' / '.join(f'{m}x{a}' for m, a in PILOT)}: {per})"
+
+
 def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, timeout: float) -> tuple[list, list]:
     """ORT at 1x8, 2x4, 4x2 in one process (1 warm-up + pilot_steps each): the table and the fastest split."""
     tag = f"{setup['name'].split('@')[0]}-{wl}"
@@ -864,10 +871,8 @@ def main(argv=None) -> int:
                 pilots[name, wl] = run_pilot(setups[name], wl, data, sub, pilot_steps, timeout)
                 best_splits.setdefault(name, {})[wl] = pilots[name, wl][1]
     if args.pilot and not args.quick:
-        best_splits["_measured"] = info["date"] + (" (pilot of this run, in its results JSON)" if not args.pilot_only else
-                                                   " (--pilot-only; median step s, 1x8 / 2x4 / 4x2: " + "; ".join(
-            f"{name} {wl} " + " / ".join(f"{q['median_step_s']:.2f}" for q in table)
-            for (name, wl), (table, _) in pilots.items()) + ")")
+        best_splits["_measured"] = info["date"] + (_pilot_summary(pilots) if args.pilot_only
+                                                   else " (pilot of this run, in its results JSON)")
         BEST_SPLITS.write_text(json.dumps(best_splits, indent=1) + "\n")
     if args.pilot_only:
         log(f"pilot only: best splits written to {BEST_SPLITS}")
