@@ -286,7 +286,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     log_path.unlink(missing_ok=True)
     train_path = stage / mf.TRAINING_MODEL
     training = onnx.load(str(train_path), load_external_data=False)
-    if slow_kernels.replace_fast_gelu_grad(training):
+    if any(slow_kernels.replace_slow_kernels(training).values()):
         onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
     # What generate_artifacts does to its eval model: trainable initializers become inputs, training mode off.

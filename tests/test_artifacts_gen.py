@@ -75,6 +75,9 @@ def test_lora_grads_match_autograd(built):
                                        # kernel was replaced (slow_kernels)
         ops = [n.op_type for n in onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph.node]
         assert "FastGelu" in ops and "FastGeluGrad" not in ops
+        # GPT-2's LayerNorm gradient was rewritten too; RMSNorm's (Gemma3) is ORT's kernel
+        assert "LayerNormalizationGrad" not in ops
+        assert ("SimplifiedLayerNormalizationGrad" in ops) == (family == "gemma3")
 
 
 def test_ten_adamw_steps_match_torch(built):
