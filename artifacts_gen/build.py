@@ -137,7 +137,7 @@ def build_bundle(
     seq_len: int = 128,
     shard_mb: int = 256,
     head_chunks: int | None = None,
-    head_min_rows: int = head_loss.MIN_ROWS,
+    head_min_rows: int | None = None,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -155,8 +155,10 @@ def build_bundle(
     head_chunks = head_loss.DEFAULT_CHUNKS if head_chunks is None else head_chunks
     if not 1 <= head_chunks <= 64:
         raise ValueError(f"--head-chunks {head_chunks}: use 1 to 64 (1 = the whole head at once, fastest; more = less memory).")
+    head_min_rows = head_loss.MIN_ROWS if head_min_rows is None else head_min_rows
     if head_min_rows < 1:
-        raise ValueError(f"head_min_rows {head_min_rows}: must be >= 1.")
+        raise ValueError(f"--head-min-rows {head_min_rows}: use 1 or more (default {head_loss.MIN_ROWS}; fewer rows per "
+                         "slice = less memory, more passes over the head weight).")
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)

@@ -208,8 +208,8 @@ def run_ort(spec: dict) -> dict:
 
         @dataclasses.dataclass(frozen=True)
         class Profiled(RuntimeOptions):
-            def session_options(self):
-                so = super().session_options()
+            def session_options(self, **kwargs):
+                so = super().session_options(**kwargs)
                 so.enable_profiling = True
                 so.profile_file_prefix = spec["profile"]
                 return so

@@ -79,6 +79,8 @@ def test_logit_softcap(tmp_path):
 def test_bad_chunk_count_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="--head-chunks 0"):
         build_bundle(tmp_path / "nowhere", tmp_path / "out", head_chunks=0)
+    with pytest.raises(ValueError, match="--head-min-rows 0"):
+        build_bundle(tmp_path / "nowhere", tmp_path / "out", head_min_rows=0)
     assert not (tmp_path / "out").exists()
 
 
