@@ -581,10 +581,23 @@ def _lowmem_summary(c: ChildResult) -> dict:
 MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm")
 
 
+def _json_arrays(text: str) -> list:
+    """Every JSON value in `text`: sessions created within the same second write one profile file, one
+    array after the other."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return out
+        value, i = dec.raw_decode(text, i)
+        out.append(value)
+
+
 def summarize_profile(files: list[Path], step_runs: int) -> dict:
     """ORT profiler output -> kernel time of the last optimizer step (its last `step_runs` model runs of
     the training session) by op type and by node, plus the largest node outputs."""
-    events = max((json.loads(f.read_text()) for f in files), key=len)       # the training session's file
+    events = max((a for f in files for a in _json_arrays(f.read_text())), key=len)   # the training session's
     runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in runs[-step_runs:]]
     kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
