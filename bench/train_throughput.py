@@ -791,7 +791,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per configuration and workload (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps before them (default 1)")
     ap.add_argument("--pilot", action="store_true",
-                    help=f"re-measure the best micro-batch x accum of each shape and workload (adds ~9 min) and "
+                    help=f"re-measure the best micro-batch x accum of each shape and workload (adds ~11 min) and "
                          f"store it in {BEST_SPLITS.name}; without it, the stored choice is used")
     ap.add_argument("--pilot-only", action="store_true",
                     help=f"only the pilot (after building the bundles): store the best splits in {BEST_SPLITS.name} and stop")
