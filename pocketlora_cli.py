@@ -34,7 +34,7 @@ def _add_gen(sub) -> None:
     p.add_argument("--shard-mb", type=int, default=256)
     p.add_argument("--head-chunks", type=int, default=None,
                    help="(default 8) the training graph computes the LM head and its gradient in up to this many slices of "
-                        "at least 128 labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
+                        "at least --head-min-rows labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
                         "slice re-reads the head weight. 1 = the whole head at once")
     p.add_argument("--head-min-rows", type=int, default=None,
                    help="(default 128, for speed) the least labelled rows per head slice. For memory-first training at "

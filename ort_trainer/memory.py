@@ -2,8 +2,8 @@
 
 The tokenizer (a Rust object; ~100 MB for Qwen2.5's 151k vocabulary) is only needed to prepare the
 data. Dropping it frees its memory into the C allocator, which keeps it: measured here, RSS did not
-fall after `del`, and fell by ~105 MB after glibc's malloc_trim, which returns free heap pages. Other C libraries (Android's bionic/scudo) have no
-such call, and there this is a no-op.
+fall after `del`, and fell by ~105 MB after glibc's malloc_trim, which returns free heap pages. Other C
+libraries (Android's bionic/scudo) have no such call, and there this is a no-op.
 """
 from __future__ import annotations
 
