@@ -93,7 +93,35 @@ def untie_head(model: onnx.ModelProto) -> list[str]:
     for name in fixed:
         if name not in still_used:
             model.graph.initializer.remove(inits[name])
-    return fixed
+    return fixed + _head_rows_first(model)
+
+
+def _head_rows_first(model: onnx.ModelProto) -> list[str]:
+    """An untied LM head MatMul(h, W.T [H, V]) -> Gemm(h, W [V, H], transB=1), W stored as the checkpoint
+    holds it: each vocabulary entry's row is then contiguous, and the training graph's head can read
+    the vocabulary in slices that are views of the shard file (head_loss._vocab_slices)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    node = producer.get("logits")
+    while node is not None and node.op_type not in ("MatMul", "Gemm"):
+        node = producer.get(node.input[0])
+    inits = {i.name: i for i in model.graph.initializer}
+    if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
+        return []
+    w_t = inits[node.input[1]]
+    uses = sum(name == w_t.name for n in model.graph.node for name in n.input)
+    if uses != 1 or len(w_t.dims) != 2:
+        return []
+    base = w_t.name[: -len(TRANSPOSED)] if w_t.name.endswith(TRANSPOSED) else w_t.name + ".rows"
+    if base in inits:
+        return []
+    rows = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w_t).T), base)
+    idx = list(model.graph.node).index(node)
+    model.graph.node.remove(node)
+    model.graph.node.insert(idx, helper.make_node("Gemm", [node.input[0], base], list(node.output),
+                                                  name=node.name + "_untied", transB=1))
+    model.graph.initializer.remove(w_t)
+    model.graph.initializer.append(rows)
+    return [w_t.name]
 
 
 def check_untied_head(model: onnx.ModelProto) -> None:
