@@ -16,7 +16,7 @@ def _gen(args) -> None:
         lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                           targets=args.targets, seed=args.seed),
         seq_len=args.seq_len, shard_mb=args.shard_mb, head_chunks=args.head_chunks,
-        head_min_rows=args.head_min_rows, force=args.force,
+        head_min_rows=args.head_min_rows, head_vocab_cols=args.head_vocab_cols, force=args.force,
     )
     print(result.summary())
 
@@ -33,13 +33,14 @@ def _add_gen(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--shard-mb", type=int, default=256)
     p.add_argument("--head-chunks", type=int, default=None,
-                   help="(default 8) the training graph computes the LM head and its gradient in up to this many slices of "
-                        "at least --head-min-rows labelled rows: more slices, less memory (no [rows, vocab] tensor whole), but each "
-                        "slice re-reads the head weight. 1 = the whole head at once")
+                   help="(default 8) the training graph computes the LM head and its gradient in up to this many row "
+                        "slices of at least --head-min-rows labelled rows; each row slice re-reads the head weight")
     p.add_argument("--head-min-rows", type=int, default=None,
-                   help="(default 128, for speed) the least labelled rows per head slice. For memory-first training at "
-                        "micro-batch 1, 32 splits its ~127 rows into 3 slices: Gemma3-270M 1x8 peak 1,557 -> 1,473 MiB, "
-                        "at one more pass over the head weight per extra slice (~115 ms for Gemma3's 671 MB)")
+                   help="(default 1024) the least labelled rows per head row slice; fewer = less memory at large "
+                        "micro-batches, one more pass over the head weight per extra slice (~115 ms for Gemma3's 671 MB)")
+    p.add_argument("--head-vocab-cols", type=int, default=None,
+                   help="(default 16384) within a row slice, the vocabulary is read in slices of at most this many "
+                        "entries with an online softmax, so the head's largest tensor is [rows, this]")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")
     p.set_defaults(func=_gen)

@@ -138,6 +138,7 @@ def build_bundle(
     shard_mb: int = 256,
     head_chunks: int | None = None,
     head_min_rows: int | None = None,
+    head_vocab_cols: int | None = None,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -159,6 +160,10 @@ def build_bundle(
     if head_min_rows < 1:
         raise ValueError(f"--head-min-rows {head_min_rows}: use 1 or more (default {head_loss.MIN_ROWS}; fewer rows per "
                          "slice = less memory, more passes over the head weight).")
+    head_vocab_cols = head_loss.VOCAB_COLS if head_vocab_cols is None else head_vocab_cols
+    if head_vocab_cols < head_loss.VOCAB_ALIGN:
+        raise ValueError(f"--head-vocab-cols {head_vocab_cols}: use {head_loss.VOCAB_ALIGN} or more (default "
+                         f"{head_loss.VOCAB_COLS}; fewer = less memory, smaller GEMMs).")
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
@@ -186,7 +191,7 @@ def build_bundle(
         graph_fixes.write_initial_lora(forward, train, initial)
         frozen_params = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n)
         log(f"      {len(naming.renamed)} weights named, {len(train)} LoRA tensors one-for-one with PEFT, "
-            f"tied head untied: {bool(untied)}, LayerNorm stats added: {n_ln}")
+            f"LM head as Gemm(h, W[V, H]): {bool(untied)}, LayerNorm stats added: {n_ln}")
 
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
@@ -197,8 +202,9 @@ def build_bundle(
         del peft_model, src.model
         shutil.rmtree(trace_dir)
         softcap = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
-        log(f"      training graph: LM head + loss in up to {head_chunks} slices of >= {head_min_rows} labelled rows")
-        _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows,
+        log(f"      training graph: LM head + loss in up to {head_chunks} slices of >= {head_min_rows} labelled rows, "
+            f"vocabulary in slices of <= {head_vocab_cols}")
+        _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows, head_vocab_cols,
                             float(softcap) if softcap else None)
         _check_artifacts(stage, plan.files)
 
@@ -239,7 +245,7 @@ def build_bundle(
             optimizer=AdamWSpec().to_dict(),
             train_outputs=["loss"],
             eval_outputs=["loss", "logits"],
-            loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows),
+            loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows, head_vocab_cols=head_vocab_cols),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
             tools=_versions(),
@@ -256,7 +262,7 @@ def build_bundle(
 
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
-                        head_min_rows: int, softcap: float | None) -> None:
+                        head_min_rows: int, head_vocab_cols: int, softcap: float | None) -> None:
     """ORT builds the training and optimizer models from the forward with its head in row chunks
     (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
     forward, which also outputs the logits at the labelled positions.
@@ -274,7 +280,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     outputs = [o for o in train_forward.graph.output if o.name != "logits"]
     del train_forward.graph.output[:]
     train_forward.graph.output.extend(outputs)
-    head_loss.chunk_head_loss(train_forward, head_chunks, head_min_rows, softcap)
+    head_loss.chunk_head_loss(train_forward, head_chunks, head_min_rows, softcap, head_vocab_cols)
     log_path = stage / "ort-native.log"   # removed below; on failure with the staging directory
     with _cwd(stage), _native_stderr_to(log_path):   # external data locations are relative to the staging dir
         artifacts.generate_artifacts(

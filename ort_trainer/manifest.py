@@ -81,12 +81,15 @@ class LossSpec:
     reduction: str = "sum_times_loss_scale"
     head_chunks: int = 0     # the training graph computes the LM head and its gradient in up to this many row slices
     head_min_rows: int = 0   # of at least this many labelled rows each
+    head_vocab_cols: int = 0  # and within a slice, the vocabulary in slices of at most this many entries
     note: str = (
         "loss = loss_scale * sum over positions t with labels[:, t+1] != -100 of "
         "-log softmax(logits[:, t])[labels[:, t+1]]. With loss_scale = 1/count this is exactly "
         "HF's labels loss; the trainer sets loss_scale = 1/(label tokens of the whole effective "
         "batch) so that accumulated gradients equal one big batch's. The training graph computes the "
-        "head and its gradient in up to `head_chunks` slices of at least `head_min_rows` labelled rows, so no [N, vocab] tensor exists in training. The eval model also outputs "
+        "head and its gradient in up to `head_chunks` slices of at least `head_min_rows` labelled rows, and "
+        "within each the vocabulary in slices of at most `head_vocab_cols` entries (an online softmax), so no "
+        "[N, vocab] tensor exists in training. The eval model also outputs "
         "`logits` [N, vocab] at the N labelled positions, in row-major (batch, position) order."
     )
 

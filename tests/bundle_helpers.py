@@ -81,3 +81,30 @@ def sample_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, n
 
 def torch_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+def head_weight_views(bundle) -> tuple[str, list[str]]:
+    """(the eval graph's LM head weight, the training graph's views of it): the views tile the weight's
+    bytes in its shard file exactly, in order, and nothing in the training graph reads the whole weight."""
+    import onnx
+    from ort_trainer import manifest as mf
+
+    ev = onnx.load(str(bundle.file(mf.EVAL_MODEL)), load_external_data=False)
+    tr = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False)
+    head = next(n for n in ev.graph.node if n.name.endswith("_untied"))
+    whole = next(i for i in ev.graph.initializer if i.name == head.input[1])
+
+    def ext(t):
+        return {e.key: e.value for e in t.external_data}
+    views = sorted((i for i in tr.graph.initializer if i.name.startswith("/chunked_head/w")),
+                   key=lambda t: int(ext(t)["offset"]))
+    offset = int(ext(whole).get("offset", 0))
+    for v in views:
+        assert ext(v)["location"] == ext(whole)["location"]
+        assert int(ext(v)["offset"]) == offset and v.dims[1] == whole.dims[1]
+        offset += int(ext(v)["length"])
+    if views:
+        assert offset == int(ext(whole).get("offset", 0)) + int(ext(whole)["length"])
+        assert sum(v.dims[0] for v in views) == whole.dims[0]
+        assert not any(whole.name in n.input for n in tr.graph.node)
+    return whole.name, [v.name for v in views]

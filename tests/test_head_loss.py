@@ -12,17 +12,17 @@ from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
 from ort_trainer.session import TrainSession
 from tests.bundle_helpers import (
-    SEQ_LEN, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch, to_onnx_layout,
+    SEQ_LEN, head_weight_views, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch, to_onnx_layout,
     to_peft_layout, torch_batch,
 )
 from tests.tiny_models import make_tiny_checkpoint
 
 
-def _build(tmp_path, family: str, chunks: int, min_rows: int = 8, **config_overrides):
+def _build(tmp_path, family: str, chunks: int, min_rows: int = 8, vocab_cols: int | None = None, **config_overrides):
     ckpt = make_tiny_checkpoint(family, tmp_path / "ckpt", **config_overrides)
     out = tmp_path / "bundle"
     build_bundle(ckpt, out, lora=LoraSettings(r=4, alpha=8.0), seq_len=SEQ_LEN, shard_mb=64, head_chunks=chunks,
-                 head_min_rows=min_rows, log=lambda *_: None)
+                 head_min_rows=min_rows, head_vocab_cols=vocab_cols, log=lambda *_: None)
     return ckpt, open_bundle(out)
 
 
@@ -56,23 +56,30 @@ def _head_gemms(bundle) -> tuple[int, list[str]]:
     return len(gemms), sce
 
 
-@pytest.mark.parametrize("chunks, min_rows", [(1, 8), (5, 8), (5, 30)])    # 73 rows: 1, 5, 2 slices used
-def test_chunked_head_loss_and_grads_match_peft(tmp_path, chunks, min_rows):
-    ckpt, bundle = _build(tmp_path, "gpt2", chunks, min_rows)
+# tiny GPT-2 has GPT-2's 50,257-entry vocabulary: 4 slices of 12,608 by default, 1 at 65,536
+@pytest.mark.parametrize("chunks, min_rows, vocab_cols, vocab_slices",
+                         [(1, 8, None, 4), (5, 8, None, 4), (5, 30, 65536, 1), (2, 8, 7000, 8)])   # 73 rows: 1, 5, 2, 2 slices
+def test_chunked_head_loss_and_grads_match_peft(tmp_path, chunks, min_rows, vocab_cols, vocab_slices):
+    ckpt, bundle = _build(tmp_path, "gpt2", chunks, min_rows, vocab_cols)
     assert bundle.manifest.loss.head_chunks == chunks
     n_gemm, sce = _head_gemms(bundle)
-    assert n_gemm == 2 * chunks and sce == []     # head forward + dLoss/dh per chunk; no [N, V] loss node
+    assert n_gemm == 2 * chunks * vocab_slices and sce == []     # head forward + dLoss/dh per slice; no [N, V] loss node
+    if vocab_slices > 1:
+        assert len(head_weight_views(bundle)[1]) == vocab_slices
     _check_against_peft(ckpt, bundle)
 
 
 def test_untied_head(tmp_path):
+    """An untied head [H, V] is stored as [V, H] (graph_fixes), so it too is read in views."""
     ckpt, bundle = _build(tmp_path, "qwen2", 3, tie_word_embeddings=False)
     assert not bundle.manifest.model.tie_word_embeddings
+    assert len(head_weight_views(bundle)[1]) == 10      # Qwen2's 151,936 entries in slices of <= 16,384
     _check_against_peft(ckpt, bundle)
 
 
 def test_logit_softcap(tmp_path):
     ckpt, bundle = _build(tmp_path, "gemma3", 3, final_logit_softcapping=0.5)
+    assert len(head_weight_views(bundle)[1]) == 4
     _check_against_peft(ckpt, bundle)
 
 
@@ -81,7 +88,68 @@ def test_bad_chunk_count_is_refused_before_any_work(tmp_path):
         build_bundle(tmp_path / "nowhere", tmp_path / "out", head_chunks=0)
     with pytest.raises(ValueError, match="--head-min-rows 0"):
         build_bundle(tmp_path / "nowhere", tmp_path / "out", head_min_rows=0)
+    with pytest.raises(ValueError, match="--head-vocab-cols 8"):
+        build_bundle(tmp_path / "nowhere", tmp_path / "out", head_vocab_cols=8)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_online_softmax_head_against_numpy(tmp_path, softcap):
+    """The rewritten head alone, on logits spread over +-60 (so the running max moves between vocabulary
+    slices and an unrescaled sum would be off by e^30 and more): loss and dLoss/dh against float64 numpy."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from artifacts_gen import head_loss
+
+    rng = np.random.default_rng(3)
+    n_rows, vocab, hidden = 37, 1000, 16
+    w = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    w[rng.integers(0, vocab, 20)] *= 12.0                      # a few large logits, in different slices
+    w.tofile(tmp_path / "w.bin")
+    init = TensorProto(name="W", dims=[vocab, hidden], data_type=TensorProto.FLOAT, data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", str(w.nbytes))):
+        entry = init.external_data.add()
+        entry.key, entry.value = key, value
+    nodes = [helper.make_node("Gemm", ["h", "W"], ["logits"], transB=1)]
+    logits = "logits"
+    if softcap is not None:       # the traced Gemma3 tail: logits / cap -> tanh -> * cap
+        nodes += [helper.make_node("Div", ["logits", "cap"], ["l_over_cap"]), helper.make_node("Tanh", ["l_over_cap"], ["l_tanh"]),
+                  helper.make_node("Mul", ["l_tanh", "cap"], ["l_capped"])]
+        logits = "l_capped"
+    nodes += [helper.make_node("SoftmaxCrossEntropyLoss", [logits, "y"], ["nll"], reduction="sum", ignore_index=-100),
+              helper.make_node("Mul", ["nll", "scale"], ["loss"])]
+    consts = [onnx.numpy_helper.from_array(np.array(softcap or 1.0, np.float32), "cap")]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["N", hidden]),
+                                              helper.make_tensor_value_info("y", TensorProto.INT64, ["N"]),
+                                              helper.make_tensor_value_info("scale", TensorProto.FLOAT, [])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [init, *consts])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    head_loss.chunk_head_loss(model, chunks=2, min_rows=16, softcap=softcap, vocab_cols=192)   # 6 slices of 192
+    assert sum(i.name.startswith("/chunked_head/w") for i in model.graph.initializer) == 6
+    model.graph.output.append(helper.make_tensor_value_info("/chunked_head/g", TensorProto.FLOAT, None))
+    onnx.save(model, str(tmp_path / "head.onnx"))
+
+    h = (rng.standard_normal((n_rows, hidden)) * 1.5).astype(np.float32)
+    y = rng.integers(0, vocab, n_rows)
+    y[[3, 17]] = -100
+    scale = np.array(0.25, np.float32)
+    loss, g = ort.InferenceSession(str(tmp_path / "head.onnx")).run(None, {"h": h, "y": y, "scale": scale})
+
+    z = h.astype(np.float64) @ w.astype(np.float64).T
+    dcap = np.ones_like(z)
+    if softcap is not None:
+        t = np.tanh(z / softcap)
+        z, dcap = softcap * t, 1 - t ** 2
+    assert np.ptp(z, axis=1).min() > (60 if softcap is None else 30)       # far beyond exp's float32 range
+    valid = y != -100
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    ref_loss = scale * (lse - z[np.arange(n_rows), np.where(valid, y, 0)])[valid].sum()
+    dz = np.exp(z - lse[:, None])
+    dz[np.arange(n_rows)[valid], y[valid]] -= 1
+    ref_g = ((dz * dcap) @ w.astype(np.float64)) * scale * valid[:, None]
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert np.linalg.norm(g - ref_g) / np.linalg.norm(ref_g) <= 1e-5
 
 
 def test_fast_gelu_grad_replacement_matches_torch_and_ort():
