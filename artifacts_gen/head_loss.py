@@ -42,6 +42,7 @@ MIN_ROWS = 1024         # ... of at least this many rows: each row slice's GEMMs
                         # Gemma3-270M, ~115 ms); with the vocabulary sliced, 1,024 rows hold ~4 x 64 MiB.
 VOCAB_COLS = 16384      # vocabulary entries per slice of the head (see _chunk_nodes)
 VOCAB_ALIGN = 64        # slice starts: 64 rows of W = 64 * H * 4 bytes, a multiple of 16 KiB pages for H % 64 == 0
+FIXED_BOUND_MAX = 40.0  # soft-caps up to this use M = cap (exp(-2 * 40) is a normal float32)
 PREFIX = "/chunked_head/"
 
 
@@ -234,8 +235,8 @@ def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]
     return routed
 
 
-def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_slices: list[tuple[str, int, int]], views: bool,
-                 w_is_vh: bool, scale: str, softcap: float | None, opset: int) -> list[onnx.NodeProto]:
+def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_slices: list[tuple[str, int, int]],
+                 views: bool, w_is_vh: bool, scale: str, softcap: float | None, opset: int) -> list[onnx.NodeProto]:
     """Rows [start, end) of the padded h / labels -> c+"nll" (summed NLL) and c+"g" (their dLoss/dh).
 
     The vocabulary is visited in slices with an online softmax, so that no [rows, V] tensor exists:
@@ -243,7 +244,8 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_sli
         S   = sum_k rowsum(e_k)           (rescaled by exp(M_old - M) when M grows)
         A   = sum_k (e_k * dcap_k) W_k    (likewise; dcap = 1 - tanh^2, or 1 without a cap)
         nll = M + log S - z_y,   dLoss/dh = (A / S - dcap_y * W_y) * loss_scale * valid
-    With a soft-cap |z| <= cap, so M = cap is a fixed bound and nothing is rescaled."""
+    With a soft-cap |z| <= cap, so M = cap is a fixed bound and nothing is rescaled (for caps up to
+    FIXED_BOUND_MAX: below exp(-2 cap) float32 underflows)."""
     p, n = PREFIX, helper.make_node
     nodes = [
         n("Slice", [p + "h_pad", start, end, p + "axis0"], [c + "h"]),
@@ -274,6 +276,7 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_sli
     else:
         nodes += [n("Identity", [c + "u_y"], [c + "z_y"])]
     inv_cap = 1.0 / softcap if softcap is not None else 1.0
+    fixed_bound = p + "cap" if softcap is not None and softcap <= FIXED_BOUND_MAX else None
     m = s = a = None
     for k, (w_k, _, _) in enumerate(w_slices):
         v = f"{c}v{k}/"
@@ -293,7 +296,8 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_sli
         if softcap is not None:
             nodes += [n("Tanh", [v + "u"], [v + "t"]), n("Mul", [v + "t", p + "cap"], [v + "z"])]
             z = v + "z"
-            m_k = p + "cap"
+        if fixed_bound:
+            m_k = fixed_bound
         else:
             nodes.append(n("ReduceMax", [z, p + "axis1"], [v + "zmax"], keepdims=1) if opset >= 18
                          else n("ReduceMax", [z], [v + "zmax"], axes=[1], keepdims=1))
@@ -316,7 +320,7 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_sli
         nodes.append(n("Gemm", [weighted, w_k], [v + "a"], transB=0 if w_is_vh else 1))
         if s is None:
             s, a = v + "s", v + "a"
-        elif softcap is not None:
+        elif fixed_bound:
             nodes += [n("Add", [s, v + "s"], [v + "s_sum"]), n("Add", [a, v + "a"], [v + "a_sum"])]
             s, a = v + "s_sum", v + "a_sum"
         else:

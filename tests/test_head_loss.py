@@ -93,7 +93,7 @@ def test_bad_chunk_count_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("softcap", [None, 20.0, 50.0])     # 50: above FIXED_BOUND_MAX, the online max
 def test_online_softmax_head_against_numpy(tmp_path, softcap):
     """The rewritten head alone, on logits spread over +-60 (so the running max moves between vocabulary
     slices and an unrescaled sum would be off by e^30 and more): loss and dLoss/dh against float64 numpy."""
