@@ -263,8 +263,8 @@ def build_bundle(
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
                         head_min_rows: int, head_vocab_cols: int, softcap: float | None) -> None:
-    """ORT builds the training and optimizer models from the forward with its head in row chunks
-    (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
+    """ORT builds the training and optimizer models from the forward with its head in row and vocabulary
+    slices (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
     forward, which also outputs the logits at the labelled positions.
 
     The frozen weights are neither requires_grad nor frozen_params, so they stay graph

@@ -1092,8 +1092,8 @@ def render_section(p: dict) -> str:
         "over the step's labelled tokens / their count), `torch.set_num_threads(2)`, one micro-batch of the same 8 "
         "sequences (`collate` of `DataOrder(n, 0, 8)`: exactly the examples ORT sees). It computes full logits at "
         "every position; ORT's graph gathers the labelled positions before the LM head, and computes the head, the "
-        "loss and dLoss/dh in the forward pass, over the vocabulary in slices of <= 16,384 entries with an online softmax (`artifacts_gen/head_loss.py`; no [N, V] "
-        "tensor whole). Both processes drop the tokenizer once the data is tokenized and trim the heap, as "
+        "loss and dLoss/dh in the forward pass, over the vocabulary in slices of <= 16,384 entries with an online "
+        "softmax (`artifacts_gen/head_loss.py`; no [N, V] tensor whole). Both processes drop the tokenizer once the data is tokenized and trim the heap, as "
         "`android_runner/loop.py` does.",
         "- Workloads: **lm** = the first 2000 lines of WikiText-2 train cut into 128-token blocks (every token "
         "labelled, 1024 real tokens per step); **sft** = `alpaca_en_demo.json` with prompts labelled -100 (GPT-2 "
