@@ -217,9 +217,9 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
     return nodes + [n("Sum", parts, [out])]
 
 
-def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]]) -> int:
+def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]]) -> None:
     """Every Gather(W, ids) of the graph (the tied embedding lookup) reads the views instead; W itself is
-    dropped from the graph if nothing else reads it. Returns the number of lookups rerouted."""
+    dropped from the graph if nothing else reads it."""
     routed, new_nodes = 0, []
     for node in g.node:
         if node.op_type == "Gather" and node.input[0] == w and all(
@@ -232,7 +232,6 @@ def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]
     g.node.extend(new_nodes)
     if not any(w in node.input for node in g.node):
         g.initializer.remove(next(i for i in g.initializer if i.name == w))
-    return routed
 
 
 def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_slices: list[tuple[str, int, int]],
