@@ -37,7 +37,8 @@ def _add_gen(sub) -> None:
                         "slices of at least --head-min-rows labelled rows; each row slice re-reads the head weight")
     p.add_argument("--head-min-rows", type=int, default=None,
                    help="(default 1024) the least labelled rows per head row slice; fewer = less memory at large "
-                        "micro-batches, one more pass over the head weight per extra slice (~115 ms for Gemma3's 671 MB)")
+                        "micro-batches, one more pass over the head weight per extra slice (~115 ms for Gemma3's "
+                        "671 MB)")
     p.add_argument("--head-vocab-cols", type=int, default=None,
                    help="(default 16384) within a row slice, the vocabulary is read in slices of at most this many "
                         "entries with an online softmax, so the head's largest tensor is [rows, this]")

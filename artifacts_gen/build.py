@@ -158,8 +158,8 @@ def build_bundle(
         raise ValueError(f"--head-chunks {head_chunks}: use 1 to 64 (1 = the whole head at once, fastest; more = less memory).")
     head_min_rows = head_loss.MIN_ROWS if head_min_rows is None else head_min_rows
     if head_min_rows < 1:
-        raise ValueError(f"--head-min-rows {head_min_rows}: use 1 or more (default {head_loss.MIN_ROWS}; fewer rows per "
-                         "slice = less memory, more passes over the head weight).")
+        raise ValueError(f"--head-min-rows {head_min_rows}: use 1 or more (default {head_loss.MIN_ROWS}; fewer rows "
+                         "per slice = less memory, more passes over the head weight).")
     head_vocab_cols = head_loss.VOCAB_COLS if head_vocab_cols is None else head_vocab_cols
     if head_vocab_cols < head_loss.VOCAB_ALIGN:
         raise ValueError(f"--head-vocab-cols {head_vocab_cols}: use {head_loss.VOCAB_ALIGN} or more (default "

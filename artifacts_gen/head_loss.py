@@ -109,7 +109,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     ])
     if softcap is not None:
         g.initializer.append(_const("cap", softcap, np.float32))
-    w_slices, views = _vocab_slices(g, w, w_is_vh, vocab_cols)
+    w_slices = _vocab_slices(g, w, w_is_vh, vocab_cols)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     nodes = [
         # stop(h): exact copy of h that ORT's gradient builder does not differentiate through
@@ -138,7 +138,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     for k in range(chunks):
         c = f"{p}c{k}/"
         nodes += [n("Add", [start, p + "rows"], [c + "end"])]
-        nodes += _chunk_nodes(g, c, start, c + "end", w, w_slices, views, w_is_vh, scale, softcap, opset)
+        nodes += _chunk_nodes(g, c, start, c + "end", w_slices, w_is_vh, scale, softcap, opset)
         g_parts.append(c + "g")
         nll_parts.append(c + "nll")
         # The next chunk starts where this one's G ends: a real data dependency, so ORT runs the
@@ -158,17 +158,16 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         n("Add", [p + "loss_value", p + "surrogate"], ["loss"]),
     ]
     g.node.extend(nodes)
-    if views:
+    if len(w_slices) > 1:
         _route_gathers(g, w, w_slices)
 
 
-def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int
-                  ) -> tuple[list[tuple[str, int, int]], bool]:
-    """The head weight in vocabulary slices of <= vocab_cols entries: ([(name, first, end)], views).
+def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int) -> list[tuple[str, int, int]]:
+    """The head weight in vocabulary slices of <= vocab_cols entries: [(name, first, end)].
 
     A [V, H] weight in external data (the build always makes it so: graph_fixes.untie_head, shards) is
-    sliced for free: each slice is another initializer pointing at its rows' bytes in the same shard file
-    (views=True). Any other weight is read whole."""
+    sliced for free: each slice is another initializer pointing at its rows' bytes in the same shard file.
+    Any other weight is read whole: one slice, W itself."""
     init = next(i for i in g.initializer if i.name == w)
     vocab = init.dims[0] if w_is_vh else init.dims[1]
     k = _ceil_div(vocab, vocab_cols)
@@ -176,9 +175,9 @@ def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int
         k += 1                                                # even slices, each starting on a page boundary
     bounds = [(a, min(a + cols, vocab)) for a in range(0, vocab, cols)]
     if len(bounds) == 1:
-        return [(w, 0, vocab)], False
+        return [(w, 0, vocab)]
     if not (w_is_vh and init.data_location == TensorProto.EXTERNAL and init.data_type == TensorProto.FLOAT):
-        return [(w, 0, vocab)], False      # not sliceable in place: the whole vocabulary at once
+        return [(w, 0, vocab)]      # not sliceable in place: the whole vocabulary at once
     ext = {e.key: e.value for e in init.external_data}
     row_bytes, base = 4 * init.dims[1], int(ext.get("offset", 0))
     slices = []
@@ -191,7 +190,7 @@ def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int
             entry.key, entry.value = key, value
         g.initializer.append(view)
         slices.append((view.name, a, b))
-    return slices, True
+    return slices
 
 
 def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, int]], idx: str, out: str
@@ -234,8 +233,8 @@ def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]
         g.initializer.remove(next(i for i in g.initializer if i.name == w))
 
 
-def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_slices: list[tuple[str, int, int]],
-                 views: bool, w_is_vh: bool, scale: str, softcap: float | None, opset: int) -> list[onnx.NodeProto]:
+def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: list[tuple[str, int, int]],
+                 w_is_vh: bool, scale: str, softcap: float | None, opset: int) -> list[onnx.NodeProto]:
     """Rows [start, end) of the padded h / labels -> c+"nll" (summed NLL) and c+"g" (their dLoss/dh).
 
     The vocabulary is visited in slices with an online softmax, so that no [rows, V] tensor exists:
@@ -257,10 +256,10 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w: str, w_sli
     ]
     # the target's logit from its row of W: [rows, H] . h, summed per row
     w_y = c + "w_y_raw"
-    if views:
+    if len(w_slices) > 1:      # views of a [V, H] weight
         nodes += _gather_rows(g, c + "w_y/", w_slices, c + "y_safe", w_y)
     else:
-        nodes.append(n("Gather", [w, c + "y_safe"], [w_y], axis=0 if w_is_vh else 1))
+        nodes.append(n("Gather", [w_slices[0][0], c + "y_safe"], [w_y], axis=0 if w_is_vh else 1))
     if not w_is_vh:
         nodes.append(n("Transpose", [w_y], [c + "w_y"], perm=[1, 0]))
         w_y = c + "w_y"

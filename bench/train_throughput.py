@@ -1093,8 +1093,8 @@ def render_section(p: dict) -> str:
         "sequences (`collate` of `DataOrder(n, 0, 8)`: exactly the examples ORT sees). It computes full logits at "
         "every position; ORT's graph gathers the labelled positions before the LM head, and computes the head, the "
         "loss and dLoss/dh in the forward pass, over the vocabulary in slices of <= 16,384 entries with an online "
-        "softmax (`artifacts_gen/head_loss.py`; no [N, V] tensor whole). Both processes drop the tokenizer once the data is tokenized and trim the heap, as "
-        "`android_runner/loop.py` does.",
+        "softmax (`artifacts_gen/head_loss.py`; no [N, V] tensor whole). Both processes drop the tokenizer once "
+        "the data is tokenized and trim the heap, as `android_runner/loop.py` does.",
         "- Workloads: **lm** = the first 2000 lines of WikiText-2 train cut into 128-token blocks (every token "
         "labelled, 1024 real tokens per step); **sft** = `alpaca_en_demo.json` with prompts labelled -100 (GPT-2 "
         "tokenizer: Alpaca prompt; Qwen2.5: its chat template). Both through `ort_trainer.data.load_examples`.",

@@ -13,8 +13,8 @@ from ort_trainer import manifest as mf
 from ort_trainer.bundle import BundleError, open_bundle
 from ort_trainer.session import EvalSession, TrainSession
 from tests.bundle_helpers import (
-    build_tiny_bundle, head_weight_views, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch,
-    to_onnx_layout, to_peft_layout, torch_batch,
+    build_tiny_bundle, head_weight_views, load_lora_into, peft_lora_params, peft_reference, random_lora,
+    sample_batch, to_onnx_layout, to_peft_layout, torch_batch,
 )
 from tests.tiny_models import FAMILIES
 

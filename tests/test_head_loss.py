@@ -12,13 +12,14 @@ from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
 from ort_trainer.session import TrainSession
 from tests.bundle_helpers import (
-    SEQ_LEN, head_weight_views, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch, to_onnx_layout,
-    to_peft_layout, torch_batch,
+    SEQ_LEN, head_weight_views, load_lora_into, peft_lora_params, peft_reference, random_lora, sample_batch,
+    to_onnx_layout, to_peft_layout, torch_batch,
 )
 from tests.tiny_models import make_tiny_checkpoint
 
 
-def _build(tmp_path, family: str, chunks: int, min_rows: int = 8, vocab_cols: int | None = None, **config_overrides):
+def _build(tmp_path, family: str, chunks: int, min_rows: int = 8, vocab_cols: int | None = None,
+           **config_overrides):
     ckpt = make_tiny_checkpoint(family, tmp_path / "ckpt", **config_overrides)
     out = tmp_path / "bundle"
     build_bundle(ckpt, out, lora=LoraSettings(r=4, alpha=8.0), seq_len=SEQ_LEN, shard_mb=64, head_chunks=chunks,
@@ -56,14 +57,15 @@ def _head_gemms(bundle) -> tuple[int, list[str]]:
     return len(gemms), sce
 
 
-# tiny GPT-2 has GPT-2's 50,257-entry vocabulary: 4 slices of 12,608 by default, 1 at 65,536
+# 73 rows: 1, 5, 2, 2 row slices used. Tiny GPT-2 has GPT-2's 50,257-entry vocabulary: 4 vocabulary slices of
+# 12,608 by default, 1 at 65,536, 8 at 7,000.
 @pytest.mark.parametrize("chunks, min_rows, vocab_cols, vocab_slices",
-                         [(1, 8, None, 4), (5, 8, None, 4), (5, 30, 65536, 1), (2, 8, 7000, 8)])   # 73 rows: 1, 5, 2, 2 slices
+                         [(1, 8, None, 4), (5, 8, None, 4), (5, 30, 65536, 1), (2, 8, 7000, 8)])
 def test_chunked_head_loss_and_grads_match_peft(tmp_path, chunks, min_rows, vocab_cols, vocab_slices):
     ckpt, bundle = _build(tmp_path, "gpt2", chunks, min_rows, vocab_cols)
     assert bundle.manifest.loss.head_chunks == chunks
     n_gemm, sce = _head_gemms(bundle)
-    assert n_gemm == 2 * chunks * vocab_slices and sce == []     # head forward + dLoss/dh per slice; no [N, V] loss node
+    assert n_gemm == 2 * chunks * vocab_slices and sce == []     # head + dLoss/dh per slice; no [N, V] loss node
     if vocab_slices > 1:
         assert len(head_weight_views(bundle)[1]) == vocab_slices
     _check_against_peft(ckpt, bundle)
@@ -113,7 +115,8 @@ def test_online_softmax_head_against_numpy(tmp_path, softcap):
     nodes = [helper.make_node("Gemm", ["h", "W"], ["logits"], transB=1)]
     logits = "logits"
     if softcap is not None:       # the traced Gemma3 tail: logits / cap -> tanh -> * cap
-        nodes += [helper.make_node("Div", ["logits", "cap"], ["l_over_cap"]), helper.make_node("Tanh", ["l_over_cap"], ["l_tanh"]),
+        nodes += [helper.make_node("Div", ["logits", "cap"], ["l_over_cap"]),
+                  helper.make_node("Tanh", ["l_over_cap"], ["l_tanh"]),
                   helper.make_node("Mul", ["l_tanh", "cap"], ["l_capped"])]
         logits = "l_capped"
     nodes += [helper.make_node("SoftmaxCrossEntropyLoss", [logits, "y"], ["nll"], reduction="sum", ignore_index=-100),
