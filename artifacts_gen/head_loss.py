@@ -162,6 +162,15 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         _route_gathers(g, w, w_slices)
 
 
+def vocab_slice_width(vocab: int, vocab_cols: int = VOCAB_COLS) -> int:
+    """Entries per vocabulary slice of the head: even slices of <= vocab_cols entries, each a multiple of
+    VOCAB_ALIGN rows (so each starts on a page boundary of the weight); the last one may be shorter."""
+    k = _ceil_div(vocab, vocab_cols)
+    while (cols := _ceil_div(_ceil_div(vocab, k), VOCAB_ALIGN) * VOCAB_ALIGN) > vocab_cols and cols > VOCAB_ALIGN:
+        k += 1
+    return cols
+
+
 def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int) -> list[tuple[str, int, int]]:
     """The head weight in vocabulary slices of <= vocab_cols entries: [(name, first, end)].
 
@@ -170,9 +179,7 @@ def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int) ->
     Any other weight is read whole: one slice, W itself."""
     init = next(i for i in g.initializer if i.name == w)
     vocab = init.dims[0] if w_is_vh else init.dims[1]
-    k = _ceil_div(vocab, vocab_cols)
-    while (cols := _ceil_div(_ceil_div(vocab, k), VOCAB_ALIGN) * VOCAB_ALIGN) > vocab_cols and cols > VOCAB_ALIGN:
-        k += 1                                                # even slices, each starting on a page boundary
+    cols = vocab_slice_width(vocab, vocab_cols)
     bounds = [(a, min(a + cols, vocab)) for a in range(0, vocab, cols)]
     if len(bounds) == 1:
         return [(w, 0, vocab)]
