@@ -186,12 +186,14 @@ def build_bundle(
         naming = graph_fixes.name_initializers(forward, _source_tensors(peft_model))
         untied = graph_fixes.untie_head(forward)
         graph_fixes.constants_to_initializers(forward, MIN_EXTERNAL_BYTES)
+        n_where = graph_fixes.drop_causal_where(forward)
         n_ln = graph_fixes.layernorm_stats(forward)
         train = graph_fixes.trainables(naming, list(initial), forward)
         graph_fixes.write_initial_lora(forward, train, initial)
         frozen_params = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n)
         log(f"      {len(naming.renamed)} weights named, {len(train)} LoRA tensors one-for-one with PEFT, "
-            f"LM head as Gemm(h, W[V, H]): {bool(untied)}, LayerNorm stats added: {n_ln}")
+            f"LM head as Gemm(h, W[V, H]): {bool(untied)}, LayerNorm stats added: {n_ln}, "
+            f"redundant causal Where removed: {n_where}")
 
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
