@@ -1202,15 +1202,14 @@ def render_section(p: dict) -> str:
               "weight gradients); no weight gradients for frozen weights. "
               "The embedding lookup, norms, softmax, AdamW etc. are not counted.", "",
               "GEMM reference (measured in the same run, per shape just before its lockstep, 2 threads, float32, "
-              "median of repeats, the better of two passes): the step's own frozen-weight matmuls at M = 128 and "
-              "1024 rows, on numpy (OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice "
+              "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy (OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice "
               "of the [V, H] weight as the training graph runs it), measured two ways:", "",
               "- **as run** (the reference of the target): the forward product x·W and the backward one dY·Wᵀ "
               "(the head: dZ·W), each half of the matmul's FLOPs, as the training session issues them: ORT with "
               "prepacking disabled, because ORT's training API refuses it (`Module` sets "
               "`session.disable_prepacking=1` and fails if asked otherwise: \"Prepacking is not supported for "
-              "training scenarios\"), and each call on another copy of the weight, copies over >= 96 MiB, so the "
-              "weight is read from memory as in a pass over the model, not from the 32 MiB L3.",
+              "training scenarios\"), and each call on another copy of the weight, copies over >= 64 MiB (twice "
+              "the L3), so the weight is read from memory as in a pass over the model, not from the 32 MiB L3.",
               "- **warm, prepacked** (in parentheses): x·W only, repeated on one weight (in L3 when it fits), ORT "
               "with the weight prepacked. An upper bound the training session cannot reach; it was the only "
               "reference before 2026-12-01.", "",
