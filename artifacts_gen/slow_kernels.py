@@ -4,9 +4,10 @@ by the same math in standard elementwise ops (vectorised and multi-threaded in O
 
 FastGeluGrad: ORT fuses GPT-2's tanh-approximated GELU into FastGelu, and its gradient builder emits
 FastGeluGrad, whose CPU kernel runs at ~75 ns per element: 0.23 s per [1024, 3072] call, 16% of a
-GPT-2 124M step at micro-batch 8 (ORT profiler, this machine). The same derivative in 15 standard ops
-takes a fraction of that (GPT-2 micro-batch 8: 5.14-5.18 -> 4.80 s per step). Only X is kept for the
-backward pass, as before; the ops' temporaries live within the backward pass.
+GPT-2 124M step at micro-batch 8 (ORT profiler, this machine). The same derivative in standard ops
+takes a fraction of that (15 ops at first, GPT-2 micro-batch 8: 5.14-5.18 -> 4.80 s per step; 13 now,
+through the sigmoid form below). Only X is kept for the backward pass, as before; the ops' temporaries
+live within the backward pass.
 
     gelu(x)  = 0.5 x (1 + tanh(u)),  u = k (x + c x^3),  k = sqrt(2 / pi),  c = 0.044715
     gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2),  t = tanh(u)

@@ -206,12 +206,15 @@ def run_ort(spec: dict) -> dict:
     if spec.get("profile"):
         import dataclasses
 
+        made = []
+
         @dataclasses.dataclass(frozen=True)
         class Profiled(RuntimeOptions):
             def session_options(self, **kwargs):
                 so = super().session_options(**kwargs)
                 so.enable_profiling = True
-                so.profile_file_prefix = spec["profile"]
+                made.append(so)     # a file per session: two started in the same second would share one
+                so.profile_file_prefix = f"{spec['profile']}_s{len(made)}"
                 return so
 
         options = Profiled(threads=spec["threads"], memory=spec.get("memory", "normal"))
@@ -436,7 +439,8 @@ def run_gemm(spec: dict) -> dict:
             for direction in ("fwd", "bwd"):
                 rec[f"asrun_{direction}_{lib}"] = max(md for _, md in rates[(lib, direction)]) / 1e9
         del variants, ws, w, a, dy
-        _log(f"gemm {m}x{k}x{n}: warm numpy {rec['numpy_gflops_median']:.1f}, ORT prepacked {rec['ort_gflops_median']:.1f}; "
+        _log(f"gemm {m}x{k}x{n}: warm numpy {rec['numpy_gflops_median']:.1f}, "
+             f"ORT prepacked {rec['ort_gflops_median']:.1f}; "
              f"as run (x{copies} copies) fwd numpy {rec['asrun_fwd_numpy']:.1f} ORT {rec['asrun_fwd_ort']:.1f}, "
              f"bwd numpy {rec['asrun_bwd_numpy']:.1f} ORT {rec['asrun_bwd_ort']:.1f} GFLOP/s (median)")
         out.append(rec)

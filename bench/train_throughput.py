@@ -1202,8 +1202,9 @@ def render_section(p: dict) -> str:
               "weight gradients); no weight gradients for frozen weights. "
               "The embedding lookup, norms, softmax, AdamW etc. are not counted.", "",
               "GEMM reference (measured in the same run, per shape just before its lockstep, 2 threads, float32, "
-              "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy (OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice "
-              "of the [V, H] weight as the training graph runs it), measured two ways:", "",
+              "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy "
+              "(OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice of the [V, H] weight "
+              "as the training graph runs it), measured two ways:", "",
               "- **as run** (the reference of the target): the forward product x·W and the backward one dY·Wᵀ "
               "(the head: dZ·W), each half of the matmul's FLOPs, as the training session issues them: ORT with "
               "prepacking disabled, because ORT's training API refuses it (`Module` sets "
