@@ -206,15 +206,12 @@ def run_ort(spec: dict) -> dict:
     if spec.get("profile"):
         import dataclasses
 
-        made = []
-
         @dataclasses.dataclass(frozen=True)
         class Profiled(RuntimeOptions):
             def session_options(self, **kwargs):
                 so = super().session_options(**kwargs)
                 so.enable_profiling = True
-                made.append(so)     # a file per session: two started in the same second would share one
-                so.profile_file_prefix = f"{spec['profile']}_s{len(made)}"
+                so.profile_file_prefix = spec["profile"]
                 return so
 
         options = Profiled(threads=spec["threads"], memory=spec.get("memory", "normal"))

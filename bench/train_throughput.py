@@ -28,6 +28,7 @@ sources, LoRA settings) are unchanged. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as dt
 import json
 import math
@@ -600,27 +601,36 @@ def _lowmem_summary(c: ChildResult) -> dict:
 MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm")
 
 
-def _json_arrays(text: str) -> list:
-    """Every JSON value in `text`: sessions created within the same second write one profile file, one
-    array after the other."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i == len(text):
-            return out
-        value, i = dec.raw_decode(text, i)
-        out.append(value)
+def _profile_events(text: str) -> list[dict]:
+    """The events of an ORT profile file, one JSON object per line. The training, eval and optimizer
+    sessions share one SessionOptions, hence one file name; sessions made within the same second write
+    into the same file, the later over the start of the earlier. Lines that do not parse are dropped."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip().lstrip("[").rstrip("]").rstrip(",")
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
 
 
 def summarize_profile(files: list[Path], step_runs: int) -> dict:
     """ORT profiler output -> kernel time of the last optimizer step (its last `step_runs` model runs of
     the training session) by op type and by node, plus the largest node outputs."""
-    events = max((a for f in files for a in _json_arrays(f.read_text())), key=len)   # the training session's
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
+    events = [e for f in files for e in _profile_events(f.read_text())]
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    matmul_ts = sorted(e["ts"] for e in nodes if e["args"].get("op_name") in MATMUL_OPS)
+
+    def training(run: dict) -> bool:      # the optimizer session's runs have no matmul
+        i = bisect.bisect_left(matmul_ts, run["ts"])
+        return i < len(matmul_ts) and matmul_ts[i] <= run["ts"] + run["dur"]
+
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run" and training(e)),
+                  key=lambda e: e["ts"])
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in runs[-step_runs:]]
-    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-               and any(a <= e["ts"] <= b for a, b in windows)]
+    kernels = [e for e in nodes if any(a <= e["ts"] <= b for a, b in windows)]
     run_us = sum(b - a for a, b in windows)
     by_op: dict[str, float] = {}
     by_node: dict[str, list] = {}
