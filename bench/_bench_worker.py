@@ -415,7 +415,8 @@ def run_gemm(spec: dict) -> dict:
         # timed and dropped after: two live sessions' spinning thread pools would fight over the two cores.
         variants = {
             ("numpy", "warm"): (lambda: (lambda: a @ w.T) if trans_b else (lambda: a @ w), flops),
-            ("ort", "warm"): (lambda: _runner(session([gemm_node(0, trans_b)], a.shape, [w], ["y0"], True), a), flops)}
+            ("ort", "warm"): (lambda: _runner(session([gemm_node(0, trans_b)], a.shape, [w], ["y0"], True), a),
+                              flops)}
         # forward: x W (x W^T for the head); backward: dY W^T (dZ W for the head, whose weight is [N, K])
         for direction, x, t in (("fwd", a, trans_b), ("bwd", dy, not trans_b)):
             variants[("numpy", direction)] = (lambda x=x, t=t: lambda: [x @ (v.T if t else v) for v in ws],
@@ -423,7 +424,7 @@ def run_gemm(spec: dict) -> dict:
             variants[("ort", direction)] = (lambda x=x, t=t: _runner(session(
                 [gemm_node(i, t) for i in range(copies)], x.shape, ws, [f"y{i}" for i in range(copies)], False), x),
                 copies * flops)
-        rates: dict[tuple, list[float]] = {key: [] for key in variants}
+        rates: dict[tuple, list[tuple[float, float]]] = {key: [] for key in variants}    # (best, median)
         for _ in range(passes):            # the whole list again: a slow spell of this machine hits one pass
             for key, (make, fl) in variants.items():
                 fn = make()
