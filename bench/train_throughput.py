@@ -445,7 +445,7 @@ def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict]) -
         r = gemm_reference(dims, x["micro_shapes"], head_at, gemm, kind)
         return r["gemm_rate"] / 1e9 if r else None
 
-    has = {kind: bool(gemm) and ref(steps[0], kind) is not None for kind in ("asrun", "warm")}
+    has = {kind: ref(steps[0], kind) is not None for kind in ("asrun", "warm")}
 
     cpu = [x for x in steps if "cpu_s" in x]
     return {
