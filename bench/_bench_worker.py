@@ -341,108 +341,131 @@ def run_torch(spec: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------- GEMM
 
-def _runner(sess, x):
-    return lambda: sess.run(None, {"x": x})
-
-
 def run_gemm(spec: dict) -> dict:
-    """float32 GEMM throughput on the step's frozen-weight matmul shapes, two ways.
+    """float32 GEMM throughput on the step's frozen-weight matmul shapes, as the training session runs them.
 
-    warm, prepacked (`numpy_gflops_*`, `ort_gflops_*`): [M, K] x [K, N] (the LM head: Gemm transB on a
-      [N, K] weight, as in the bundle) repeated on one weight, which stays in the 32 MiB L3 when it fits;
-      ORT with the weight prepacked (an InferenceSession's default). An upper bound: a training session
-      cannot prepack (ORT's training API refuses `session.disable_prepacking=0`: "Prepacking is not
-      supported for training scenarios"), and a step reads each weight once per pass, from memory.
-    as run (`asrun_{fwd,bwd}_{numpy,ort}`): the forward product and the backward one (dX = dY W^T; the
-      head's dH = dZ W) as the training graph issues them, ORT with prepacking disabled, each call on
-      another copy of the weight (copies over >= 64 MiB, twice the L3, so none is in cache when it is used
-      again). `passes` > 1 times the whole list again and keeps the better median."""
+    Per shape [M, K, N, trans_b] two products, each half of a step's FLOPs on that weight: forward x·W and
+    backward dX = dY·Wᵀ (the LM head, a [N, K] vocabulary slice used transposed: x·Wᵀ and dZ·W), each on
+    numpy (OpenBLAS) and on ORT (MatMul / Gemm) with prepacking disabled, because ORT's training API refuses
+    it (`Module` sets `session.disable_prepacking=1`: "Prepacking is not supported for training scenarios").
+    One sample = one pass over copies of the weight filling >= `cold_bytes` (64 MiB, twice the L3), each
+    copy used once: weights come from memory, as in a pass over the model. The weights are the ORT graphs'
+    inputs (bound once, no copy) with a symbolic M, so one session and one set of copies serve every M.
+
+    With `lockstep` the parent lets this worker take turns with the training workers: per turn it takes
+    samples for `turn_seconds`, round-robin over all products, so the reference and the steps see the
+    machine in the same minutes. Without it, `passes` rounds over all products. Result: every sample."""
     import numpy as np
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     threads = spec["threads"]
-    min_time = spec.get("min_time", 0.3)
     cold_bytes = spec.get("cold_bytes", 64 << 20)
-    passes = spec.get("passes", 1)
     rng = np.random.default_rng(0)
-    out = []
+    t_start = time.perf_counter()
 
-    def timeit(fn) -> list[float]:
-        t0 = time.perf_counter()
-        fn()                                                      # warm-up
-        min_n = 2 if time.perf_counter() - t0 > 0.5 else 3      # the LM head at 1024 rows takes seconds
-        ts = []
-        t_end = time.perf_counter() + min_time
-        while len(ts) < min_n or (time.perf_counter() < t_end and len(ts) < 20):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return ts
-
-    def session(nodes, x_shape, weights, outputs, prepack):
-        graph = helper.make_graph(
-            nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
-            [onnx.numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(weights)])
+    def session(k_in, copies, t):
+        """`copies` products of one x [M, k_in] with w0..w{c-1} (used transposed if t), all graph inputs."""
+        nodes = [helper.make_node("Gemm", ["x", f"w{i}"], [f"y{i}"], transB=1) if t
+                 else helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(copies)]
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k_in])]
+        graph = helper.make_graph(nodes, "mm", inputs, [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
+                                                        for i in range(copies)])
+        graph.input.extend(helper.make_tensor_value_info(f"w{i}", TensorProto.FLOAT, None) for i in range(copies))
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
-        if not prepack:
-            so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")   # idle sessions must not spin
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
-    def gemm_node(i, trans_b):
-        return (helper.make_node("Gemm", ["x", f"w{i}"], [f"y{i}"], transB=1) if trans_b
-                else helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
-
+    # one set of weight copies per (K, N, trans_b); x and dY per M
+    weights, products = {}, []
     for m, k, n, trans_b in spec["shapes"]:
-        # trans_b: the weight is stored [N, K] and used transposed, as the bundle's LM head
-        # (Gemm(h, E, transB=1) on a vocabulary slice of the embedding, see artifacts_gen/head_loss).
-        w_shape = (n, k) if trans_b else (k, n)
-        a = rng.standard_normal((m, k), dtype=np.float32)
-        w = rng.standard_normal(w_shape, dtype=np.float32) * 0.02
-        flops = 2.0 * m * k * n
-        rec = {"m": m, "k": k, "n": n, "trans_b": bool(trans_b), "gflop": flops / 1e9}
-        copies = max(1, min(64, -(-cold_bytes // w.nbytes)))
-        ws = [w] + [rng.standard_normal(w_shape, dtype=np.float32) * 0.02 for _ in range(copies - 1)]
-        dy = rng.standard_normal((m, n), dtype=np.float32)
-        rec["cold_copies"] = copies
-        # (library, variant) -> (make a callable, FLOPs per call). Each ORT session is made just before it is
-        # timed and dropped after: two live sessions' spinning thread pools would fight over the two cores.
-        variants = {
-            ("numpy", "warm"): (lambda: (lambda: a @ w.T) if trans_b else (lambda: a @ w), flops),
-            ("ort", "warm"): (lambda: _runner(session([gemm_node(0, trans_b)], a.shape, [w], ["y0"], True), a),
-                              flops)}
-        # forward: x W (x W^T for the head); backward: dY W^T (dZ W for the head, whose weight is [N, K])
-        for direction, x, t in (("fwd", a, trans_b), ("bwd", dy, not trans_b)):
-            variants[("numpy", direction)] = (lambda x=x, t=t: lambda: [x @ (v.T if t else v) for v in ws],
-                                              copies * flops)
-            variants[("ort", direction)] = (lambda x=x, t=t: _runner(session(
-                [gemm_node(i, t) for i in range(copies)], x.shape, ws, [f"y{i}" for i in range(copies)], False), x),
-                copies * flops)
-        rates: dict[tuple, list[tuple[float, float]]] = {key: [] for key in variants}    # (best, median)
-        for _ in range(passes):            # the whole list again: a slow spell of this machine hits one pass
-            for key, (make, fl) in variants.items():
-                fn = make()
-                ts = timeit(fn)
-                del fn
-                rates[key].append((fl / min(ts), fl / float(np.median(ts))))
-        for lib in ("numpy", "ort"):
-            rec[f"{lib}_gflops_best"] = max(b for b, _ in rates[(lib, "warm")]) / 1e9
-            rec[f"{lib}_gflops_median"] = max(md for _, md in rates[(lib, "warm")]) / 1e9
-            for direction in ("fwd", "bwd"):
-                rec[f"asrun_{direction}_{lib}"] = max(md for _, md in rates[(lib, direction)]) / 1e9
-        del variants, ws, w, a, dy
-        _log(f"gemm {m}x{k}x{n}: warm numpy {rec['numpy_gflops_median']:.1f}, "
-             f"ORT prepacked {rec['ort_gflops_median']:.1f}; "
-             f"as run (x{copies} copies) fwd numpy {rec['asrun_fwd_numpy']:.1f} ORT {rec['asrun_fwd_ort']:.1f}, "
-             f"bwd numpy {rec['asrun_bwd_numpy']:.1f} ORT {rec['asrun_bwd_ort']:.1f} GFLOP/s (median)")
-        out.append(rec)
-    return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__, "shapes": out}
+        key = (k, n, bool(trans_b))
+        if key not in weights:
+            w_shape = (n, k) if trans_b else (k, n)
+            nbytes = 4 * k * n
+            copies = max(1, min(64, -(-cold_bytes // nbytes)))
+            weights[key] = [rng.standard_normal(w_shape, dtype=np.float32) * 0.02 for _ in range(copies)]
+        ws = weights[key]
+        for direction in ("fwd", "bwd"):
+            # forward: x [M, K] times W (or W^T for the head, stored [N, K]); backward: dY [M, N] times W^T (head: W)
+            t = (trans_b and direction == "fwd") or (not trans_b and direction == "bwd")
+            x = rng.standard_normal((m, k if direction == "fwd" else n), dtype=np.float32)
+            for lib in ("numpy", "ort"):
+                products.append({"m": m, "k": k, "n": n, "trans_b": bool(trans_b), "direction": direction, "lib": lib,
+                                 "copies": len(ws), "gflop": 2.0 * m * k * n * len(ws) / 1e9, "x": x, "t": t,
+                                 "key": key, "samples": []})
+    sessions = {}
+    for p in products:
+        if p["lib"] == "numpy":
+            ws, x, t = weights[p["key"]], p["x"], p["t"]
+            p["fn"] = (lambda ws=ws, x=x, t=t: [x @ (w.T if t else w) for w in ws])
+        else:
+            skey = (p["key"], p["direction"])
+            if skey not in sessions:
+                ws = weights[p["key"]]
+                sess = session(p["x"].shape[1], len(ws), p["t"])
+                sessions[skey] = (sess, [ort.OrtValue.ortvalue_from_numpy(w) for w in ws])
+            sess, wvals = sessions[skey]
+            io = sess.io_binding()
+            io.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(p["x"]))
+            for i, wv in enumerate(wvals):
+                io.bind_ortvalue_input(f"w{i}", wv)
+            for i in range(len(wvals)):
+                io.bind_output(f"y{i}")
+            p["fn"] = (lambda sess=sess, io=io: sess.run_with_iobinding(io))
+        p["fn"]()                                                  # warm-up, not timed
+    # numpy products first, then ORT: the library changes twice per round, with a pause for the other one's
+    # threads to stop spinning (OpenBLAS busy-waits after a call)
+    products.sort(key=lambda p: p["lib"] != "numpy")
+
+    def sample(p):
+        t0 = time.perf_counter()
+        p["fn"]()
+        dt = time.perf_counter() - t0
+        p["samples"].append([round(t0 - t_start, 3), p["gflop"] / dt])
+
+    cursor, last_lib = 0, None
+
+    def take(deadline):
+        nonlocal cursor, last_lib
+        while True:
+            p = products[cursor % len(products)]
+            if p["lib"] != last_lib:
+                time.sleep(0.2)
+                last_lib = p["lib"]
+            sample(p)
+            cursor += 1
+            if time.perf_counter() >= deadline:
+                return
+
+    if spec.get("lockstep"):
+        _log(f"gemm: {len(products)} products, {len(sessions)} ORT sessions, ready")
+        _done(spec, READY)
+        while sys.stdin.readline():
+            take(time.perf_counter() + spec.get("turn_seconds", 4.0))
+            time.sleep(0.2)                 # the next worker starts on quiet cores
+            last_lib = None
+            print(STEP_DONE, flush=True)
+        for p in products:                  # a lockstep too short to reach every product (--quick)
+            if not p["samples"]:
+                sample(p)
+    else:
+        for _ in range(spec.get("passes", 1) * len(products)):
+            take(0.0)
+    out = []
+    for p in products:
+        rates = [r for _, r in p["samples"]]
+        if rates:
+            _log(f"gemm {p['m']}x{p['k']}x{p['n']} {p['direction']} {p['lib']}: {len(rates)} samples, median "
+                 f"{float(np.median(rates)):.1f} GFLOP/s")
+        out.append({k: p[k] for k in ("m", "k", "n", "trans_b", "direction", "lib", "copies", "gflop", "samples")})
+    return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__, "products": out,
+            "cold_bytes": cold_bytes, "seconds": round(time.perf_counter() - t_start, 1)}
 
 
 def main() -> int:

@@ -11,9 +11,10 @@ three configurations run, each in its own process with 2 threads:
      one process, one warm-up + PILOT_STEPS measured steps each, the lowest median step time wins).
 Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
 sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
-Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. It also
-measures float32 GEMM throughput on the step's own matmul shapes (numpy/OpenBLAS and an ORT MatMul/Gemm),
-counts each step's FLOPs, and finally runs Qwen2.5-0.5B's device path with RuntimeOptions(memory="low")
+Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. A fourth
+worker takes a turn in every round too: float32 GEMM throughput on the step's own matmul shapes
+(numpy/OpenBLAS and ORT MatMul/Gemm as the training session runs them), the reference of the compute
+efficiency, sampled in the same minutes as the steps. It counts each step's FLOPs, and finally runs Qwen2.5-0.5B's device path with RuntimeOptions(memory="low")
 under a cgroup-v1 memory limit of 60% of its fp32 weight bytes (compared with the lean phase).
 
     python bench/train_throughput.py [--shapes gpt2-124m,gemma3-270m,qwen2.5-0.5b] [--workloads lm,sft]
@@ -73,7 +74,8 @@ LOWMEM_FRACTION = 0.60
 LOWMEM_STEPS = (1, 1)            # warm-up, measured: the first step under the limit is ~20% slower (78.6 vs 65.3 s)
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP = CGROUP_ROOT / "pocketlora-bench"
-GEMM_M = (128, 1024)             # rows of the activations: one sequence / eight sequences of 128
+GEMM_M = (128, 256, 512, 1024)   # rows of the activations: micro-batches of 1, 2, 4, 8 sequences of 128
+GEMM_TURN_S = 4.0                # the GEMM reference worker's share of each lockstep round (seconds)
 # targets of the issue
 TARGET_SPEEDUP = {"lm": 1.2, "sft": 1.5}
 TARGET_RSS = {"gpt2-124m": 1.0e9, "gemma3-270m": 1.6e9, "qwen2.5-0.5b": 2.8e9}   # bytes (GB = 10^9)
@@ -369,6 +371,22 @@ def gemm_shapes(dims: dict) -> list[list]:
     shapes = [[m, k, n, False] for m in GEMM_M for k, n in kn]
     shapes += [[m, dims["hidden"], dims["head_cols"], True] for m in GEMM_M]
     return shapes
+
+
+def gemm_records(products: list[dict]) -> list[dict]:
+    """The GEMM worker's samples -> one record per shape [M, K, N, trans_b]: `asrun_{fwd,bwd}_{numpy,ort}` =
+    the median GFLOP/s of its samples (and their min/max), `n_samples`, `cold_copies`."""
+    recs: dict[tuple, dict] = {}
+    for p in products:
+        key = (p["m"], p["k"], p["n"], p["trans_b"])
+        r = recs.setdefault(key, {"m": p["m"], "k": p["k"], "n": p["n"], "trans_b": p["trans_b"],
+                                  "cold_copies": p["copies"], "n_samples": 0})
+        rates = [x for _, x in p["samples"]] or [float("nan")]
+        field = f"asrun_{p['direction']}_{p['lib']}"
+        r[field] = statistics.median(rates)
+        r[field + "_range"] = [min(rates), max(rates)]
+        r["n_samples"] += len(p["samples"])
+    return list(recs.values())
 
 
 def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm: list[dict],
@@ -741,10 +759,11 @@ def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, tim
 
 
 def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pilots: dict, data: dict, sub: Path,
-                   warmup: int, steps: int, timeout: float) -> list[dict]:
+                   warmup: int, steps: int, timeout: float, dims: dict, quick: bool) -> tuple[list[dict], list[dict]]:
     """ort-8x1, torch-8x1 and ort-best of one shape, each one process, taking turns step by step: sft, then lm
     (a worker's allocator only grows, so the smaller workload goes first). ort-8x1 first runs the memory-lean
-    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it."""
+    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. After each round the
+    GEMM reference worker samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records)"""
     wls = [w for w in ("sft", "lm") if w in workloads]
     base = {"bundle": setup["bundle"], "ckpt": setup["ckpt"], "threads": THREADS, "seed": 0}
 
@@ -759,10 +778,12 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
         "torch-8x1": ("torch", {**base, "phases": [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
         "ort-best": ("ort", {**base, "phases": [phase(w, *best[w]) for w in wls]}),
     }
-    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, list(keys), warmup + steps) for w in wls]
+    workers["gemm-ref"] = ("gemm", {"threads": THREADS, "shapes": gemm_shapes(dims),
+                                    "turn_seconds": 0.3 if quick else GEMM_TURN_S})
+    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, [*keys, "gemm-ref"], warmup + steps) for w in wls]
     log(f"{name}: lockstep of {', '.join(keys)} (" + "; ".join(
         f"{w}: best {best[w][0]}x{best[w][1]}" for w in wls) + f"), {warmup} warm-up + {steps} steps each"
-        + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else ""))
+        + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else "") + "; GEMM reference after each round")
     t0 = time.time()
 
     def on_step(slot, key, i):
@@ -810,7 +831,14 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
             else:
                 log(f"   {wl} {label}: FAILED:\n{r['log_tail']}")
         entries.append(entry)
-    return entries
+    g = out["gemm-ref"]
+    if g["result"] and "gemm-ref" not in ls.failed:
+        gemm = gemm_records(g["result"]["products"])
+        log(f"   GEMM reference: {sum(x['n_samples'] for x in gemm)} samples of {len(gemm)} shapes x 4 products")
+    else:
+        gemm = []
+        log(f"   GEMM reference FAILED:\n{ls.failed.get('gemm-ref') or g['log_tail']}")
+    return entries, gemm
 
 
 def main(argv=None) -> int:
@@ -899,8 +927,8 @@ def main(argv=None) -> int:
             log(f"   {name}: setup FAILED:\n{s['error']}")
     dims = {n: model_dims(s["config"]) for n, s in setups.items() if s.get("ok", True)}
 
-    # 2. GEMM throughput on the step's own shapes: per shape, just before its lockstep (step 4), so that the
-    #    reference and the steps see this shared machine in the same state; `--profile-only` measures it again
+    # 2. GEMM throughput on the step's own shapes: sampled inside each shape's lockstep (step 4), so that the
+    #    reference and the steps see this shared machine in the same minutes
     gemm: dict[str, list[dict]] = {}
 
     # 3. best split per shape and workload: from BEST_SPLITS (the last --pilot), or a pilot now
@@ -928,18 +956,20 @@ def main(argv=None) -> int:
         if not s.get("ok", True):
             results.append({"shape": name, "ok": False, "error": s["error"]})
             continue
-        gemm.update(measure_gemm({name: dims[name]}, sub, args.quick, "start"))
-        results += lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub, warmup, steps, timeout)
+        entries, gemm[name] = lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub, warmup, steps,
+                                             timeout, dims[name], args.quick)
+        results += entries
 
     # 5. low-memory mode under a hard limit; its normal-mode comparison is the lockstep's lean phase
     lowmem = None
     if LOWMEM_SHAPE in shapes and not args.no_lowmem and setups[LOWMEM_SHAPE].get("ok", True):
         lean = next((r.get("lean") for r in results if r["shape"] == LOWMEM_SHAPE and r.get("workload") == "lm"), None)
         lowmem = lowmem_run(setups[LOWMEM_SHAPE], data["lm"], sub, args.quick, 300 if args.quick else 900, lean)
-    gemm_end = {}          # measured once per shape in the run, to keep it under 30 minutes
+    gemm_end = {}          # the reference is sampled in the lockstep; `--profile-only` adds a measurement after it
     info["wall_seconds"] = round(time.time() - t_begin, 1)
     info["load_at_end"] = os.getloadavg()
-    payload = {**info, "setups": setups, "gemm": gemm, "gemm_end": gemm_end, "results": results, "lowmem": lowmem}
+    payload = {**info, "setups": setups, "gemm": gemm, "gemm_mode": "interleaved", "gemm_end": gemm_end,
+               "results": results, "lowmem": lowmem}
     if args.profile:
         payload["profile"] = profile_runs(setups, data, sub, results, args.quick)
     if args.merge and raw_json.is_file():
@@ -970,9 +1000,9 @@ def measure_gemm(dims: dict, sub: Path, quick: bool, when: str) -> dict[str, lis
     gemm: dict[str, list[dict]] = {}
     for name, d in dims.items():
         log(f"GEMM throughput ({when}), {name} shapes")
-        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "min_time": 0.02 if quick else 0.25},
+        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "passes": 1 if quick else 3},
                       sub / f"{name}-gemm-{when}.log", timeout=900)
-        gemm[name] = g.result["shapes"] if g.ok else []
+        gemm[name] = gemm_records(g.result["products"]) if g.ok else []
         if not g.ok:
             log(f"   GEMM FAILED:\n{_tail(g.log_path)}")
     return gemm
@@ -1094,6 +1124,51 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     return out
 
 
+def _gemm_description_before(p: dict) -> list[str]:
+    """Runs before 2026-12-01 03:30 UTC: the reference measured per shape before its lockstep."""
+    return ["GEMM reference (measured in the same run, per shape just before its lockstep, 2 threads, float32, "
+            "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy "
+            "(OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice of the [V, H] weight "
+            "as the training graph runs it), measured two ways:", "",
+            "- **as run** (the reference of the target): the forward product x·W and the backward one dY·Wᵀ "
+            "(the head: dZ·W), each half of the matmul's FLOPs, as the training session issues them: ORT with "
+            "prepacking disabled, because ORT's training API refuses it (`Module` sets "
+            "`session.disable_prepacking=1` and fails if asked otherwise: \"Prepacking is not supported for "
+            "training scenarios\"), and each call on another copy of the weight, copies over >= 64 MiB (twice "
+            "the L3), so the weight is read from memory as in a pass over the model, not from the 32 MiB L3.",
+            "- **warm, prepacked** (in parentheses): x·W only, repeated on one weight (in L3 when it fits), ORT "
+            "with the weight prepacked. An upper bound the training session cannot reach; it was the only "
+            "reference before 2026-12-01.", "",
+            "The \"% of GEMM\" column divides a step's achieved GFLOP/s by the FLOP-weighted rate of that step's "
+            "matmuls (for each, the better of numpy/ORT at the nearer measured M)."
+            + (f" `--profile-only` measured the rates again ({p['gemm_end_note']}); per shape and variant the "
+               "better of the two is used." if p.get("gemm_end_note") else ""), "",
+            "| shape | M | K x N | cold copies | as run: x·W numpy / ORT | as run: dY·Wᵀ numpy / ORT | "
+            "warm: numpy / ORT prepacked |", "|---|---:|---|---:|---:|---:|---:|"]
+
+
+def _gemm_description_interleaved(p: dict) -> list[str]:
+    m = sorted({x["m"] for g in p["gemm"].values() for x in g})
+    return ["GEMM reference, sampled **inside each shape's lockstep**: a fourth process takes a turn after every "
+            f"round of steps and samples for {GEMM_TURN_S:.0f} s, round-robin over the step's own frozen-weight "
+            f"matmuls at M = {', '.join(map(str, m))} rows (the micro-batches of 1, 2, 4 and 8 sequences), so the "
+            "reference and the steps see this shared machine in the same minutes (earlier runs measured it before "
+            "the lockstep and the machine drifted in between by up to ~15%). 2 threads, float32. Each matmul "
+            "is timed as the training session issues it:",
+            "- both products, each half of its FLOPs: forward x·W and backward dY·Wᵀ (the LM head, one vocabulary "
+            "slice of the [V, H] weight as the training graph runs it: x·Wᵀ and dZ·W);",
+            "- on ORT (MatMul; Gemm transB) with prepacking disabled, because ORT's training API refuses it "
+            "(`Module` sets `session.disable_prepacking=1`: \"Prepacking is not supported for training "
+            "scenarios\"), and on numpy (OpenBLAS), which reaches close to prepacked rates without prepacking;",
+            "- one sample = one pass over copies of the weight filling >= 64 MiB (twice the L3), each used once: the "
+            "weight comes from memory, as in a pass over the model, not from the 32 MiB L3.", "",
+            "The \"% of GEMM\" column divides a step's achieved GFLOP/s by the FLOP-weighted rate of that step's "
+            "matmuls: for each, the better of numpy and ORT (median of its samples) at the nearest measured M. "
+            "The better library per product is the harder target: the training session has only ORT's kernel.", "",
+            "| shape | M | K x N | cold copies | x·W numpy / ORT (median GFLOP/s) | dY·Wᵀ numpy / ORT | samples |",
+            "|---|---:|---|---:|---:|---:|---:|"]
+
+
 def render_section(p: dict) -> str:
     m = p["machine"]
     s = p["settings"]
@@ -1163,8 +1238,9 @@ def render_section(p: dict) -> str:
               "Step s, tokens/s, GFLOP/s and % of GEMM: median of the measured steps (min-max). ORT/PyTorch = ratio "
               "of the tokens/s medians. CPU/wall = process CPU seconds per wall second during the steps (2.0 = both "
               "cores busy). % of GEMM: the step's GFLOP/s over the GEMM rate of its own matmuls as the training "
-              "session runs them, and in parentheses over the warm, prepacked upper bound (see \"FLOPs and GEMM "
-              "throughput\").", "",
+              "session runs them" + (", and in parentheses over the warm, prepacked upper bound" if any(
+                  c.get("efficiency_warm") for r in p["results"] if r.get("ok") for c in r["configs"].values())
+                  else "") + " (see \"FLOPs and GEMM throughput\").", "",
               "| shape | workload | config | step s | tokens/s | labelled tok/s | ORT/PyTorch tok/s | "
               "peak RSS MiB | GFLOP/step | GFLOP/s | % of GEMM | CPU/wall |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -1211,34 +1287,18 @@ def render_section(p: dict) -> str:
               "of the frozen linears and the head (same as their forward) + 2x attention + 2x LoRA (activation and "
               "weight gradients); no weight gradients for frozen weights. "
               "The embedding lookup, norms, softmax, AdamW etc. are not counted.", "",
-              "GEMM reference (measured in the same run, per shape just before its lockstep, 2 threads, float32, "
-              "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy "
-              "(OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice of the [V, H] weight "
-              "as the training graph runs it), measured two ways:", "",
-              "- **as run** (the reference of the target): the forward product x·W and the backward one dY·Wᵀ "
-              "(the head: dZ·W), each half of the matmul's FLOPs, as the training session issues them: ORT with "
-              "prepacking disabled, because ORT's training API refuses it (`Module` sets "
-              "`session.disable_prepacking=1` and fails if asked otherwise: \"Prepacking is not supported for "
-              "training scenarios\"), and each call on another copy of the weight, copies over >= 64 MiB (twice "
-              "the L3), so the weight is read from memory as in a pass over the model, not from the 32 MiB L3.",
-              "- **warm, prepacked** (in parentheses): x·W only, repeated on one weight (in L3 when it fits), ORT "
-              "with the weight prepacked. An upper bound the training session cannot reach; it was the only "
-              "reference before 2026-12-01.", "",
-              "The \"% of GEMM\" column divides a step's achieved GFLOP/s by the FLOP-weighted rate of that step's "
-              "matmuls (for each, the better of numpy/ORT at the nearer measured M)."
-              + (f" `--profile-only` measured the rates again ({p['gemm_end_note']}); per shape and variant the "
-                 "better of the two is used." if p.get("gemm_end_note") else ""), "",
-              "| shape | M | K x N | cold copies | as run: x·W numpy / ORT | as run: dY·Wᵀ numpy / ORT | "
-              "warm: numpy / ORT prepacked |", "|---|---:|---|---:|---:|---:|---:|"]
+              *(_gemm_description_interleaved(p) if p.get("gemm_mode") == "interleaved" else _gemm_description_before(p))]
     for name in p["gemm"]:
         for x in combined_gemm(p, name):
             asrun = (f"{x['asrun_fwd_numpy']:.1f} / {x['asrun_fwd_ort']:.1f} | "
                      f"{x['asrun_bwd_numpy']:.1f} / {x['asrun_bwd_ort']:.1f}" if "asrun_fwd_ort" in x else "- | -")
+            last = (f"{x['n_samples']}" if p.get("gemm_mode") == "interleaved"
+                    else f"{x['numpy_gflops_median']:.1f} / {x['ort_gflops_median']:.1f}")
             lines.append(f"| {name} | {x['m']} | {x['k']} x {x['n']}{' (transB)' if x['trans_b'] else ''} | "
-                         f"{x.get('cold_copies', '-')} | {asrun} | "
-                         f"{x['numpy_gflops_median']:.1f} / {x['ort_gflops_median']:.1f} |")
+                         f"{x.get('cold_copies', '-')} | {asrun} | {last} |")
     lines += ["", "| shape | workload | config | GFLOP/step (body / LoRA / attention / head) | padded positions | "
-              "labelled | achieved GFLOP/s | GEMM-weighted reference GFLOP/s: as run (warm, prepacked) |",
+              "labelled | achieved GFLOP/s | GEMM-weighted reference GFLOP/s: as run"
+              + (" (warm, prepacked)" if p.get("gemm_mode") != "interleaved" else "") + " |",
               "|---|---|---|---|---:|---:|---:|---:|"]
     for r in p["results"]:
         if not r.get("ok"):
@@ -1249,8 +1309,9 @@ def render_section(p: dict) -> str:
                 lines.append(f"| {r['shape']} | {r['workload']} | {key} | {c['gflop_per_step']:.0f} ({b['body']:.0f} / "
                              f"{b['lora']:.1f} / {b['attn']:.1f} / {b['head']:.0f}) | {c['padded_positions_per_step']:.0f} | "
                              f"{c['label_tokens_per_step']:.0f} | {c['achieved_gflops']['median']:.1f} | "
-                             f"{(c['gemm_reference_gflops'] or float('nan')):.1f} "
-                             f"({(c.get('gemm_reference_warm_gflops') or float('nan')):.1f}) |")
+                             f"{(c['gemm_reference_gflops'] or float('nan')):.1f}"
+                             + (f" ({c['gemm_reference_warm_gflops']:.1f})" if c.get("gemm_reference_warm_gflops") else "")
+                             + " |")
 
     # low memory
     lm = p.get("lowmem")
