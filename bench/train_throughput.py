@@ -14,8 +14,9 @@ sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 set
 Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. A fourth
 worker takes a turn in every round too: float32 GEMM throughput on the step's own matmul shapes
 (numpy/OpenBLAS and ORT MatMul/Gemm as the training session runs them), the reference of the compute
-efficiency, sampled in the same minutes as the steps. It counts each step's FLOPs, and finally runs Qwen2.5-0.5B's device path with RuntimeOptions(memory="low")
-under a cgroup-v1 memory limit of 60% of its fp32 weight bytes (compared with the lean phase).
+efficiency, sampled in the same minutes as the steps. The bench counts each step's FLOPs, and finally runs
+Qwen2.5-0.5B's device path with RuntimeOptions(memory="low") under a cgroup-v1 memory limit of 60% of its
+fp32 weight bytes (compared with the lean phase).
 
     python bench/train_throughput.py [--shapes gpt2-124m,gemma3-270m,qwen2.5-0.5b] [--workloads lm,sft]
         [--steps 5] [--warmup 1] [--pilot] [--workdir DIR] [--quick] [--no-doc]
@@ -75,7 +76,7 @@ LOWMEM_STEPS = (1, 1)            # warm-up, measured: the first step under the l
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP = CGROUP_ROOT / "pocketlora-bench"
 GEMM_M = (128, 256, 512, 1024)   # rows of the activations: micro-batches of 1, 2, 4, 8 sequences of 128
-GEMM_TURN_S = 4.0                # the GEMM reference worker's share of each lockstep round (seconds)
+GEMM_TURN_S = 4.5                # the GEMM reference worker's share of each lockstep round (seconds)
 # targets of the issue
 TARGET_SPEEDUP = {"lm": 1.2, "sft": 1.5}
 TARGET_RSS = {"gpt2-124m": 1.0e9, "gemma3-270m": 1.6e9, "qwen2.5-0.5b": 2.8e9}   # bytes (GB = 10^9)
@@ -759,11 +760,12 @@ def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, tim
 
 
 def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pilots: dict, data: dict, sub: Path,
-                   warmup: int, steps: int, timeout: float, dims: dict, quick: bool) -> tuple[list[dict], list[dict]]:
+                   warmup: int, steps: int, timeout: float, dims: dict,
+                   quick: bool) -> tuple[list[dict], list[dict], dict]:
     """ort-8x1, torch-8x1 and ort-best of one shape, each one process, taking turns step by step: sft, then lm
     (a worker's allocator only grows, so the smaller workload goes first). ort-8x1 first runs the memory-lean
     1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. After each round the
-    GEMM reference worker samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records)"""
+    GEMM reference worker samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records, its settings)"""
     wls = [w for w in ("sft", "lm") if w in workloads]
     base = {"bundle": setup["bundle"], "ckpt": setup["ckpt"], "threads": THREADS, "seed": 0}
 
@@ -832,13 +834,15 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
                 log(f"   {wl} {label}: FAILED:\n{r['log_tail']}")
         entries.append(entry)
     g = out["gemm-ref"]
+    settings = {"turn_seconds": workers["gemm-ref"][1]["turn_seconds"]}
     if g["result"] and "gemm-ref" not in ls.failed:
         gemm = gemm_records(g["result"]["products"])
+        settings |= {k: g["result"][k] for k in ("cold_bytes", "ort_spinning", "ort_pause_s", "short_pass_s")}
         log(f"   GEMM reference: {sum(x['n_samples'] for x in gemm)} samples of {len(gemm)} shapes x 4 products")
     else:
         gemm = []
         log(f"   GEMM reference FAILED:\n{ls.failed.get('gemm-ref') or g['log_tail']}")
-    return entries, gemm
+    return entries, gemm, settings
 
 
 def main(argv=None) -> int:
@@ -930,6 +934,7 @@ def main(argv=None) -> int:
     # 2. GEMM throughput on the step's own shapes: sampled inside each shape's lockstep (step 4), so that the
     #    reference and the steps see this shared machine in the same minutes
     gemm: dict[str, list[dict]] = {}
+    gemm_settings: dict = {}
 
     # 3. best split per shape and workload: from BEST_SPLITS (the last --pilot), or a pilot now
     best_splits = json.loads(BEST_SPLITS.read_text()) if BEST_SPLITS.is_file() and not args.quick else {}
@@ -956,8 +961,8 @@ def main(argv=None) -> int:
         if not s.get("ok", True):
             results.append({"shape": name, "ok": False, "error": s["error"]})
             continue
-        entries, gemm[name] = lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub, warmup, steps,
-                                             timeout, dims[name], args.quick)
+        entries, gemm[name], gemm_settings = lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub,
+                                                            warmup, steps, timeout, dims[name], args.quick)
         results += entries
 
     # 5. low-memory mode under a hard limit; its normal-mode comparison is the lockstep's lean phase
@@ -968,8 +973,8 @@ def main(argv=None) -> int:
     gemm_end = {}          # the reference is sampled in the lockstep; `--profile-only` adds a measurement after it
     info["wall_seconds"] = round(time.time() - t_begin, 1)
     info["load_at_end"] = os.getloadavg()
-    payload = {**info, "setups": setups, "gemm": gemm, "gemm_mode": "interleaved", "gemm_end": gemm_end,
-               "results": results, "lowmem": lowmem}
+    payload = {**info, "setups": setups, "gemm": gemm, "gemm_mode": "interleaved", "gemm_settings": gemm_settings,
+               "gemm_end": gemm_end, "results": results, "lowmem": lowmem}
     if args.profile:
         payload["profile"] = profile_runs(setups, data, sub, results, args.quick)
     if args.merge and raw_json.is_file():
@@ -1125,7 +1130,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
 
 
 def _gemm_description_before(p: dict) -> list[str]:
-    """Runs before 2026-12-01 03:30 UTC: the reference measured per shape before its lockstep."""
+    """Runs without `gemm_mode` (before 2026-12-01 03:10 UTC): the reference measured before each lockstep."""
     return ["GEMM reference (measured in the same run, per shape just before its lockstep, 2 threads, float32, "
             "median of repeats): the step's own frozen-weight matmuls at M = 128 and 1024 rows, on numpy "
             "(OpenBLAS) and on ORT (MatMul; Gemm transB for the LM head, one vocabulary slice of the [V, H] weight "
@@ -1149,8 +1154,14 @@ def _gemm_description_before(p: dict) -> list[str]:
 
 def _gemm_description_interleaved(p: dict) -> list[str]:
     m = sorted({x["m"] for g in p["gemm"].values() for x in g})
+    st = p.get("gemm_settings") or {"turn_seconds": 4.0}      # the first two such runs (03:10, 03:46) did not say
+    spin = ("ORT's threads spin between nodes, as in the training session; each ORT sample starts "
+            f"{st['ort_pause_s'] * 1000:.0f} ms after the previous one (another session's pool still spins), and a "
+            f"pass shorter than {st['short_pass_s']:.1f} s is timed after an untimed one." if st.get("ort_spinning")
+            else "ORT's threads did not spin (`allow_spinning=0`): at M = 128 that reads ~4-8% below a "
+            "spinning session, so this run's reference is a little low for the small micro-batches.")
     return ["GEMM reference, sampled **inside each shape's lockstep**: a fourth process takes a turn after every "
-            f"round of steps and samples for {GEMM_TURN_S:.0f} s, round-robin over the step's own frozen-weight "
+            f"round of steps and samples for {st['turn_seconds']:g} s, round-robin over the step's own frozen-weight "
             f"matmuls at M = {', '.join(map(str, m))} rows (the micro-batches of 1, 2, 4 and 8 sequences), so the "
             "reference and the steps see this shared machine in the same minutes (earlier runs measured it before "
             "the lockstep and the machine drifted in between by up to ~15%). 2 threads, float32. Each matmul "
@@ -1161,7 +1172,8 @@ def _gemm_description_interleaved(p: dict) -> list[str]:
             "(`Module` sets `session.disable_prepacking=1`: \"Prepacking is not supported for training "
             "scenarios\"), and on numpy (OpenBLAS), which reaches close to prepacked rates without prepacking;",
             "- one sample = one pass over copies of the weight filling >= 64 MiB (twice the L3), each used once: the "
-            "weight comes from memory, as in a pass over the model, not from the 32 MiB L3.", "",
+            "weight comes from memory, as in a pass over the model, not from the 32 MiB L3;",
+            f"- {spin}", "",
             "The \"% of GEMM\" column divides a step's achieved GFLOP/s by the FLOP-weighted rate of that step's "
             "matmuls: for each, the better of numpy and ORT (median of its samples) at the nearest measured M. "
             "The better library per product is the harder target: the training session has only ORT's kernel.", "",
@@ -1287,7 +1299,8 @@ def render_section(p: dict) -> str:
               "of the frozen linears and the head (same as their forward) + 2x attention + 2x LoRA (activation and "
               "weight gradients); no weight gradients for frozen weights. "
               "The embedding lookup, norms, softmax, AdamW etc. are not counted.", "",
-              *(_gemm_description_interleaved(p) if p.get("gemm_mode") == "interleaved" else _gemm_description_before(p))]
+              *(_gemm_description_interleaved(p) if p.get("gemm_mode") == "interleaved"
+                else _gemm_description_before(p))]
     for name in p["gemm"]:
         for x in combined_gemm(p, name):
             asrun = (f"{x['asrun_fwd_numpy']:.1f} / {x['asrun_fwd_ort']:.1f} | "
@@ -1310,7 +1323,8 @@ def render_section(p: dict) -> str:
                              f"{b['lora']:.1f} / {b['attn']:.1f} / {b['head']:.0f}) | {c['padded_positions_per_step']:.0f} | "
                              f"{c['label_tokens_per_step']:.0f} | {c['achieved_gflops']['median']:.1f} | "
                              f"{(c['gemm_reference_gflops'] or float('nan')):.1f}"
-                             + (f" ({c['gemm_reference_warm_gflops']:.1f})" if c.get("gemm_reference_warm_gflops") else "")
+                             + (f" ({c['gemm_reference_warm_gflops']:.1f})"
+                                if c.get("gemm_reference_warm_gflops") else "")
                              + " |")
 
     # low memory
