@@ -438,7 +438,7 @@ def run_gemm(spec: dict) -> dict:
             # GFLOP/s round-robin without this pause, 120-136 with it or with the same session repeated).
             time.sleep(ORT_PAUSE_S)
         if p["last"] < SHORT_PASS_S:
-            p["fn"]()        # untimed: a short pass would carry the threads' wake-up and cold buffers (~5%)
+            p["fn"]()        # untimed: a short pass would carry the threads' wake-up and cold buffers
         t0 = time.perf_counter()
         p["fn"]()
         dt = p["last"] = time.perf_counter() - t0
