@@ -1291,6 +1291,7 @@ def render_section(p: dict) -> str:
                   + "; ".join(losses) + ".", ""]
 
     # GEMM / FLOPs
+    interleaved = p.get("gemm_mode") == "interleaved"       # the reference sampled inside the lockstep
     lines += ["### FLOPs and GEMM throughput", "",
               "FLOPs of one step are counted as the matmuls execute them (padding positions included, they are "
               "computed): forward = 2 x (frozen linear params of the body) x positions + LoRA 2·r·(in+out) per "
@@ -1299,19 +1300,18 @@ def render_section(p: dict) -> str:
               "of the frozen linears and the head (same as their forward) + 2x attention + 2x LoRA (activation and "
               "weight gradients); no weight gradients for frozen weights. "
               "The embedding lookup, norms, softmax, AdamW etc. are not counted.", "",
-              *(_gemm_description_interleaved(p) if p.get("gemm_mode") == "interleaved"
-                else _gemm_description_before(p))]
+              *(_gemm_description_interleaved(p) if interleaved else _gemm_description_before(p))]
     for name in p["gemm"]:
         for x in combined_gemm(p, name):
             asrun = (f"{x['asrun_fwd_numpy']:.1f} / {x['asrun_fwd_ort']:.1f} | "
                      f"{x['asrun_bwd_numpy']:.1f} / {x['asrun_bwd_ort']:.1f}" if "asrun_fwd_ort" in x else "- | -")
-            last = (f"{x['n_samples']}" if p.get("gemm_mode") == "interleaved"
+            last = (f"{x['n_samples']}" if interleaved
                     else f"{x['numpy_gflops_median']:.1f} / {x['ort_gflops_median']:.1f}")
             lines.append(f"| {name} | {x['m']} | {x['k']} x {x['n']}{' (transB)' if x['trans_b'] else ''} | "
                          f"{x.get('cold_copies', '-')} | {asrun} | {last} |")
     lines += ["", "| shape | workload | config | GFLOP/step (body / LoRA / attention / head) | padded positions | "
               "labelled | achieved GFLOP/s | GEMM-weighted reference GFLOP/s: as run"
-              + (" (warm, prepacked)" if p.get("gemm_mode") != "interleaved" else "") + " |",
+              + ("" if interleaved else " (warm, prepacked)") + " |",
               "|---|---|---|---|---:|---:|---:|---:|"]
     for r in p["results"]:
         if not r.get("ok"):
