@@ -462,7 +462,7 @@ def run_gemm(spec: dict) -> dict:
         _log(f"gemm: {len(products)} products, {len(sessions)} ORT sessions, ready")
         _done(spec, READY)
         while sys.stdin.readline():
-            take(time.perf_counter() + spec.get("turn_seconds", 4.0))
+            take(time.perf_counter() + spec["turn_seconds"])
             time.sleep(0.2)                 # the next worker starts on quiet cores
             last_lib = None
             print(STEP_DONE, flush=True)
