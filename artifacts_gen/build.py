@@ -228,6 +228,7 @@ def build_bundle(
             ),
             seq_len=seq_len,
             traced_seq_len=traced_len,
+            padding_free=True,              # export.CausalLMWithLoss + packing.py
             opset=fam.opset,
             lora=mf.LoraSpec(
                 r=lora.r,

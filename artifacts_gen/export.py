@@ -1,9 +1,9 @@
 """Trace a PEFT-wrapped causal LM, with its loss, to a forward-only ONNX graph.
 
 The traced module takes (input_ids, attention_mask, labels, loss_scale) and returns
-(loss, logits). It computes the LM head only at positions whose shifted label is not -100,
-so prompt tokens and padding cost no vocabulary projection, and the [B, S, V] logits
-tensor never exists. The loss is exactly HF's when loss_scale = 1 / (number of labelled tokens).
+(loss, logits). Its per-token layers run on the real tokens only (packing.py), and it computes the
+LM head only at positions whose shifted label is not -100, so prompt tokens and padding cost no
+vocabulary projection, and the [B, S, V] logits tensor never exists. The loss is exactly HF's when loss_scale = 1 / (number of labelled tokens).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ort_trainer.manifest import IGNORE_INDEX, INPUT_NAMES
 
 from .families import Family
+from .packing import Packing, attention_windows, packed_attention
 
 
 class ExportError(RuntimeError):
@@ -82,11 +83,18 @@ class CausalLMWithLoss(torch.nn.Module):
         self.head = base.get_output_embeddings()
         cap = getattr(base.config, family.softcap_key, None) if family.softcap_key else None
         self.softcap = float(cap) if cap else None
+        self.packing: dict = {}         # the traced micro-batch's Packing, read by packed_attention
+        self.windows = attention_windows(self.body)
 
     def forward(self, input_ids, attention_mask, labels, loss_scale):
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-        y = labels[:, 1:].reshape(-1)
+        # Padding-free: the body runs on the real tokens only (see packing.py), so the graph computes
+        # nothing per token at padding positions. Labels are shifted in the padded layout first.
+        pk = self.packing["packing"] = Packing(attention_mask, self.windows)
+        hidden = self.body(input_ids=pk.tokens(input_ids), position_ids=pk.positions, attention_mask=None,
+                           use_cache=False).last_hidden_state
+        h = hidden.flatten(0, 1)                                               # [T, H]
+        end = torch.full_like(labels[:, :1], IGNORE_INDEX)
+        y = pk.tokens(torch.cat([labels[:, 1:], end], dim=1)).flatten()        # [T]: the next token's label
         keep = torch.nonzero(y != IGNORE_INDEX).squeeze(1)
         logits = self.head(h.index_select(0, keep))
         if self.softcap is not None:
@@ -159,7 +167,7 @@ def export_forward(wrapper: CausalLMWithLoss, family: Family, out_path: Path, tr
     args = trace_inputs(vocab, traced_seq_len)
     dyn = {name: {0: "batch", 1: "seq"} for name in INPUT_NAMES[:3]}
     dyn["logits"] = {0: "labelled"}
-    with traceable_masks(), fusable_gelu(wrapper), torch.no_grad():
+    with traceable_masks(), fusable_gelu(wrapper), packed_attention(base, wrapper.packing), torch.no_grad():
         torch.onnx.export(
             wrapper,
             args,

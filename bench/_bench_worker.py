@@ -156,6 +156,7 @@ def setup(spec: dict) -> dict:
     return {"name": name, "base": base, "ckpt": str(ckpt), "bundle": str(bundle), "config": cfg,
             "ckpt_info": info, "checkpoint_seconds": round(ckpt_s, 1), "bundle_built": built,
             "build_seconds": round(build_s, 1), "manifest_model": man["model"], "lora": man["lora"],
+            "padding_free": man.get("padding_free", False),
             "shard_bytes": sum(f["bytes"] for f in man["files"] if f["role"] == "shard"),
             "trainable_params": sum(int(__import__("math").prod(t["shape"])) for t in man["trainable"])}
 

@@ -339,10 +339,12 @@ def model_dims(cfg: dict) -> dict:
                 head_cols=vocab_slice_width(cfg["vocab_size"]), linear=lin)
 
 
-def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int = LORA["r"]) -> dict:
+def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int = LORA["r"],
+               rows_at: str = "padded") -> dict:
     """FLOPs of one optimizer step (all micro-batches), counted as the matmuls execute them.
 
-    Per micro-batch of B sequences padded to L (P = B*L positions, padding included: it is computed):
+    Per micro-batch of B sequences padded to L (P = B*L positions, padding included: it is computed;
+    rows_at "real": P = the real tokens, for a padding-free graph, whose per-token layers skip padding):
       forward   body linear 2*P*sum(K*N)*layers; LoRA 2*P*r*(K+N) per adapted linear; attention scores
                 QK^T and AV 4*B*L^2*heads*head_dim per layer (full square: both backends compute it);
                 LM head 2*Ph*H*V with Ph = labelled positions (ORT gathers them before the head) or
@@ -354,8 +356,8 @@ def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int =
     out = dict(body=0.0, lora=0.0, attn=0.0, head=0.0)
     lin_params = sum(k * n for _, k, n, _ in dims["linear"]) * dims["layers"]
     lora_params = sum(r * (k + n) for _, k, n, lo in dims["linear"] if lo) * dims["layers"]
-    for b, length, _real, labelled in micro_shapes:
-        p = b * length
+    for b, length, real, labelled in micro_shapes:
+        p = real if rows_at == "real" else b * length
         out["body"] += 2 * (2.0 * p * lin_params)
         out["lora"] += 3 * (2.0 * p * lora_params)
         out["attn"] += 3 * (4.0 * b * length * length * dims["heads"] * dims["head_dim"] * dims["layers"])
@@ -391,7 +393,7 @@ def gemm_records(products: list[dict]) -> list[dict]:
 
 
 def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm: list[dict],
-                   kind: str = "asrun") -> dict | None:
+                   kind: str = "asrun", rows_at: str = "padded") -> dict | None:
     """What the step's frozen-weight matmuls would take at the measured GEMM rates (best of numpy and ORT,
     median time, the measured M nearest in log scale) -> the FLOP-weighted GEMM rate.
 
@@ -413,8 +415,8 @@ def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm
         return f / 2 / fwd + f / 2 / bwd
 
     flops = secs = 0.0
-    for b, length, _real, labelled in micro_shapes:
-        p = b * length
+    for b, length, real, labelled in micro_shapes:
+        p = real if rows_at == "real" else b * length
         for _, k, n, _lo in dims["linear"]:
             f = 2 * 2.0 * p * k * n * dims["layers"]
             flops += f
@@ -437,7 +439,7 @@ def _mm(xs: list[float], headline: list[float]) -> dict:
     return {"median": statistics.median(headline), "min": min(xs), "max": max(xs), "pooled_median": statistics.median(xs)}
 
 
-def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict]) -> dict:
+def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict], rows_at: str = "padded") -> dict:
     """Statistics over the measured steps of all runs of one configuration.
 
     The machine is shared, and other users' load only ever slows a run down. So the headline `median`
@@ -455,13 +457,13 @@ def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict]) -
         return _mm([fn(x) for x in steps], [fn(x) for x in best])
 
     def flops(x):
-        return step_flops(dims, x["micro_shapes"], head_at)
+        return step_flops(dims, x["micro_shapes"], head_at, rows_at=rows_at)
 
     def gflops(x):
         return flops(x)["total"] / x["seconds"] / 1e9
 
     def ref(x, kind="asrun"):
-        r = gemm_reference(dims, x["micro_shapes"], head_at, gemm, kind)
+        r = gemm_reference(dims, x["micro_shapes"], head_at, gemm, kind, rows_at)
         return r["gemm_rate"] / 1e9 if r else None
 
     has = {kind: ref(steps[0], kind) is not None for kind in ("asrun", "warm")}
@@ -524,7 +526,9 @@ def summarize_entry(entry: dict, dims: dict, gemm: list[dict]) -> None:
     entry["config_defs"] = defs
     configs = {}
     for key, (kind, m, a) in defs.items():
-        summ = summarize(entry["runs"][key], dims, "all" if kind == "torch" else "labelled", gemm)
+        ort_rows = "real" if entry.get("ort_padding_free") else "padded"
+        summ = summarize(entry["runs"][key], dims, "all" if kind == "torch" else "labelled", gemm,
+                         "padded" if kind == "torch" else ort_rows)
         summ.update(backend=kind, micro=m, accum=a)
         first = next((r for r in entry["runs"][key] if r["ok"]), None)
         if kind == "torch" and first:
@@ -816,7 +820,7 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
             defs[label] = [kind, mm or m, aa or a]
         table, _ = pilots.get((name, wl), ([], None))
         entry = {"shape": name, "model": setup["name"], "workload": wl, "ok": True, "pilot": table, "best": [m, a],
-                 "runs": runs, "config_defs": defs, "configs": {}}
+                 "runs": runs, "config_defs": defs, "configs": {}, "ort_padding_free": setup.get("padding_free", False)}
         if wl == "lm":
             lr = record("ort-8x1", "lean", 0)
             if lr["ok"]:
@@ -1184,6 +1188,7 @@ def _gemm_description_interleaved(p: dict) -> list[str]:
 def render_section(p: dict) -> str:
     m = p["machine"]
     s = p["settings"]
+    padding_free = any(r.get("ort_padding_free") for r in p["results"])
     lines = [
         SECTION, "",
         f"Measured {p['date']} by `bench/train_throughput.py` in {p['wall_seconds'] / 60:.0f} min"
@@ -1214,7 +1219,10 @@ def render_section(p: dict) -> str:
         "transformers' default attention (SDPA), base model in `eval()`, AdamW, clipping 1.0, loss = summed NLL "
         "over the step's labelled tokens / their count), `torch.set_num_threads(2)`, one micro-batch of the same 8 "
         "sequences (`collate` of `DataOrder(n, 0, 8)`: exactly the examples ORT sees). It computes full logits at "
-        "every position; ORT's graph gathers the labelled positions before the LM head, and computes the head, the "
+        "every position" + ("" if not padding_free else
+        " and every layer at padding positions too; ORT's graph is padding-free (`artifacts_gen/packing.py`): "
+        "its per-token layers run on the real tokens only, and attention alone on the padded [B, L] layout") +
+        "; ORT's graph gathers the labelled positions before the LM head, and computes the head, the "
         "loss and dLoss/dh in the forward pass, over the vocabulary in slices of <= 16,384 entries with an online "
         "softmax (`artifacts_gen/head_loss.py`; no [N, V] tensor whole). Both processes drop the tokenizer once "
         "the data is tokenized and trim the heap, as `android_runner/loop.py` does.",
@@ -1293,8 +1301,9 @@ def render_section(p: dict) -> str:
     # GEMM / FLOPs
     interleaved = p.get("gemm_mode") == "interleaved"       # the reference sampled inside the lockstep
     lines += ["### FLOPs and GEMM throughput", "",
-              "FLOPs of one step are counted as the matmuls execute them (padding positions included, they are "
-              "computed): forward = 2 x (frozen linear params of the body) x positions + LoRA 2·r·(in+out) per "
+              "FLOPs of one step are counted as the matmuls execute them (padding positions included, " +
+              ("where they are computed: by PyTorch everywhere, by ORT's padding-free graph in attention only"
+               if padding_free else "they are computed") + "): forward = 2 x (frozen linear params of the body) x positions + LoRA 2·r·(in+out) per "
               "adapted linear per position + attention scores 4·B·L²·heads·head_dim per layer + LM head 2·H·V per "
               "head position (ORT: labelled positions only; PyTorch: all positions); backward = activation gradients "
               "of the frozen linears and the head (same as their forward) + 2x attention + 2x LoRA (activation and "

@@ -120,6 +120,10 @@ class Manifest:
     files: list[FileEntry]
     tools: dict[str, str]            # versions of what built the bundle
     base_dropout_disabled: bool = True   # base-model dropouts are off (eval mode); LoRA dropout follows lora.dropout
+    # The graphs drop padding (attention_mask 0) before the first layer: per-token work scales with the real
+    # tokens, not batch x seq. A label whose predicting position is padding counts for nothing (right padding
+    # never has one). False in bundles built before 2026-12-01, which compute every padded position.
+    padding_free: bool = False
     schema_version: int = SCHEMA_VERSION
     created_by: str = "pocketlora artifacts_gen"
 

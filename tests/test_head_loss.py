@@ -230,3 +230,42 @@ def test_layer_norm_grad_replacement_matches_torch_and_ort(opset):
     assert np.abs(new_dx - ref).max() <= 1e-5 * scale
     assert np.abs(ort_dx - ref).max() <= 1e-5 * scale        # the bar holds for ORT's own kernel too
     assert np.abs(new_dx - ort_dx).max() <= 2e-5 * scale
+
+
+def test_gather_grad_replacement_matches_torch_and_only_for_nonzero_indices():
+    """slow_kernels: a GatherGrad whose indices are torch.nonzero(mask).squeeze(1) (no index repeats) becomes a
+    ScatterND with torch's autograd result of index_select; one with other indices (they may repeat) is kept."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from artifacts_gen.slow_kernels import replace_gather_grad
+
+    rng = np.random.default_rng(2)
+    mask = (rng.random(40) < 0.6).astype(np.int64)
+    dy = rng.normal(size=(int(mask.sum()), 3, 5)).astype(np.float32)
+    shape = np.array([40, 3, 5], np.int64)
+    n = helper.make_node
+
+    def model(from_nonzero: bool):
+        nodes = [n("NonZero", ["mask"], ["nz"]), n("Transpose", ["nz"], ["nz_t"], perm=[1, 0]),
+                 n("Squeeze", ["nz_t", "one"], ["rows"])] if from_nonzero else \
+                [n("Cast", ["mask"], ["rows"], to=TensorProto.INT64)]    # not known to be free of repeats
+        nodes.append(n("GatherGrad", ["shape", "rows", "dy"], ["dx"], domain="com.microsoft", axis=0))
+        ins = [helper.make_tensor_value_info("mask", TensorProto.INT64, [40]),
+               helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+               helper.make_tensor_value_info("dy", TensorProto.FLOAT, [None, 3, 5])]
+        graph = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
+                                  initializer=[onnx.numpy_helper.from_array(np.array([1], np.int64), "one")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+    assert replace_gather_grad(model(from_nonzero=False)) == 0
+    m = model(from_nonzero=True)
+    assert replace_gather_grad(m) == 1
+    assert [x.op_type for x in m.graph.node if x.domain == "com.microsoft"] == []
+    dx = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"mask": mask, "shape": shape, "dy": dy})[0]
+
+    xt = torch.zeros(40, 3, 5, dtype=torch.float64, requires_grad=True)
+    xt.index_select(0, torch.nonzero(torch.from_numpy(mask)).squeeze(1)).backward(torch.tensor(dy, dtype=torch.float64))
+    assert np.abs(dx - xt.grad.numpy()).max() <= 1e-7
