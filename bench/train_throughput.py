@@ -75,7 +75,9 @@ LOWMEM_FRACTION = 0.60
 LOWMEM_STEPS = (1, 1)            # warm-up, measured: the first step under the limit is ~20% slower (78.6 vs 65.3 s)
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP = CGROUP_ROOT / "pocketlora-bench"
-GEMM_M = (128, 256, 512, 1024)   # rows of the activations: micro-batches of 1, 2, 4, 8 sequences of 128
+GEMM_M = (64, 128, 256, 512, 1024)   # rows of the activations: in the padding-free body, the real tokens of a
+                                     # micro-batch of 1, 2, 4, 8 sequences (an SFT sequence holds 55-128)
+HEAD_M = (32,) + GEMM_M              # at the head, a micro-batch's labelled rows (an SFT sequence holds 6-92)
 GEMM_TURN_S = 3.5                # the GEMM reference worker's share of each lockstep round (s); 4.5 took the run to 29 min
 # targets of the issue
 TARGET_SPEEDUP = {"lm": 1.2, "sft": 1.5}
@@ -368,11 +370,11 @@ def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int =
 
 
 def gemm_shapes(dims: dict) -> list[list]:
-    """[M, K, N, trans_b]: the distinct frozen-weight matmuls of a step at M = 128 and 1024 rows; the LM head
-    as the training graph runs it, one vocabulary slice ([N, K] weight, used transposed) at a time."""
+    """[M, K, N, trans_b]: the distinct frozen-weight matmuls of a step at M = GEMM_M rows; the LM head
+    as the training graph runs it, one vocabulary slice ([N, K] weight, used transposed) at a time, at HEAD_M."""
     kn = sorted({(k, n) for _, k, n, _ in dims["linear"]})
     shapes = [[m, k, n, False] for m in GEMM_M for k, n in kn]
-    shapes += [[m, dims["hidden"], dims["head_cols"], True] for m in GEMM_M]
+    shapes += [[m, dims["hidden"], dims["head_cols"], True] for m in HEAD_M]
     return shapes
 
 
@@ -1166,7 +1168,10 @@ def _gemm_description_interleaved(p: dict) -> list[str]:
             "spinning session, so this run's reference is a little low for the small micro-batches.")
     return ["GEMM reference, sampled **inside each shape's lockstep**: a fourth process takes a turn after every "
             f"round of steps and samples for {st['turn_seconds']:g} s, round-robin over the step's own frozen-weight "
-            f"matmuls at M = {', '.join(map(str, m))} rows (the micro-batches of 1, 2, 4 and 8 sequences), so the "
+            f"matmuls at M = {', '.join(map(str, m))} rows " + (
+                "(the micro-batches of 1, 2, 4 and 8 sequences)" if min(m) >= 128 else
+                "(the rows a micro-batch gives a matmul: in the padding-free body its real tokens, ~55-128 per "
+                "Alpaca sequence; at the LM head its labelled rows, ~6-92 per sequence, so the head also at 32)") + ", so the "
             "reference and the steps see this shared machine in the same minutes (earlier runs measured it before "
             "the lockstep and the machine drifted in between by up to ~15%). 2 threads, float32. Each matmul "
             "is timed as the training session issues it:",
