@@ -60,10 +60,6 @@ class Packing:
         flat = zeros.index_put((self.pack,), rows)                           # [B*L, heads, d]
         return flat.reshape(self.batch, self.length, rows.shape[1], rows.shape[2]).transpose(1, 2)
 
-    def to_packed(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output [B, L, heads, d] -> [1, T, heads, d]."""
-        return self.tokens(out)
-
 
 def attention_window(module) -> int | None:
     """The sliding window of an attention module (Gemma3's local layers), None for full attention."""
@@ -79,7 +75,7 @@ def _packed_attention(eager, state: dict):
         pk: Packing = state["packing"]
         mask = pk.masks[attention_window(module)]
         out, weights = eager(module, pk.to_padded(query), pk.to_padded(key), pk.to_padded(value), mask, *args, **kwargs)
-        return pk.to_packed(out), weights
+        return pk.tokens(out), weights      # [B, L, heads, d] -> [1, T, heads, d]
     return attention
 
 

@@ -46,10 +46,27 @@ def replace_slow_kernels(model: onnx.ModelProto) -> dict[str, int]:
             "GatherGrad": replace_gather_grad(model)}
 
 
-def _nonzero_rows(g: onnx.GraphProto, name: str) -> bool:
+def _rewrite(g: onnx.GraphProto, expand, initializers) -> int:
+    """Replace every node for which `expand(node, k)` (k = how many were replaced before it) returns a node list,
+    in place and in order; add `initializers` (a list) if any was. Returns how many were replaced."""
+    out, count = [], 0
+    for node in g.node:
+        new = expand(node, count)
+        if new is None:
+            out.append(node)
+            continue
+        out += new
+        count += 1
+    if count:
+        del g.node[:]
+        g.node.extend(out)
+        g.initializer.extend(initializers)
+    return count
+
+
+def _nonzero_rows(g: onnx.GraphProto, producer: dict, name: str) -> bool:
     """Whether `name` is NonZero(x) of a 1-D x as a flat index list: NonZero -> Transpose -> Squeeze(axis 1)
     (torch.nonzero(x).squeeze(1)), possibly cast. Such indices are strictly increasing: no index repeats."""
-    producer = {o: n for n in g.node for o in n.output}
     node = producer.get(name)
     while node is not None and node.op_type == "Cast":
         node = producer.get(node.input[0])
@@ -83,26 +100,22 @@ def replace_gather_grad(model: onnx.ModelProto) -> int:
     g = model.graph
     n = helper.make_node
     axes = PREFIX_GATHER + "last_axis"
-    out, count = [], 0
-    for node in g.node:
+    producer = {o: node for node in g.node for o in node.output}
+
+    def expand(node, k):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if not (node.op_type == "GatherGrad" and node.domain == "com.microsoft" and attrs.get("axis", 0) == 0
-                and _nonzero_rows(g, node.input[1])):
-            out.append(node)
-            continue
+                and _nonzero_rows(g, producer, node.input[1])):
+            return None
         shape, idx, dy = node.input
-        b = f"{PREFIX_GATHER}{count}/"
-        out += [
+        b = f"{PREFIX_GATHER}{k}/"
+        return [
             n("ConstantOfShape", [shape], [b + "zeros"], value=numpy_helper.from_array(np.zeros(1, np.float32))),
             n("Unsqueeze", [idx, axes], [b + "rows"]),
             n("ScatterND", [b + "zeros", b + "rows", dy], [node.output[0]]),
         ]
-        count += 1
-    if count:
-        del g.node[:]
-        g.node.extend(out)
-        g.initializer.append(numpy_helper.from_array(np.asarray([-1], np.int64), axes))
-    return count
+
+    return _rewrite(g, expand, [numpy_helper.from_array(np.asarray([-1], np.int64), axes)])
 
 
 def replace_fast_gelu_grad(model: onnx.ModelProto) -> int:
@@ -111,15 +124,14 @@ def replace_fast_gelu_grad(model: onnx.ModelProto) -> int:
     consts = {"two_k": 2 * K, "two_kc": 2 * K * C, "six_kc": 6 * K * C, "one": 1.0}
     c = {name: PREFIX + name for name in consts}
     n = helper.make_node
-    out, count = [], 0
-    for node in g.node:
+
+    def expand(node, k):
         if not (node.op_type == "FastGeluGrad" and node.domain == "com.microsoft" and len(node.input) == 2):
-            out.append(node)
-            continue
+            return None
         dy, x = node.input
         dx = node.output[0]
-        b = f"{PREFIX}{count}/"
-        out += [
+        b = f"{PREFIX}{k}/"
+        return [
             n("Mul", [x, x], [b + "x2"]),
             n("Mul", [b + "x2", c["two_kc"]], [b + "p"]),
             n("Add", [b + "p", c["two_k"]], [b + "two_u_over_x"]),
@@ -134,12 +146,9 @@ def replace_fast_gelu_grad(model: onnx.ModelProto) -> int:
             n("Add", [b + "s", b + "slope"], [b + "dgelu"]),
             n("Mul", [dy, b + "dgelu"], [dx]),
         ]
-        count += 1
-    if count:
-        del g.node[:]
-        g.node.extend(out)
-        g.initializer.extend(numpy_helper.from_array(np.asarray(v, np.float32), PREFIX + name) for name, v in consts.items())
-    return count
+
+    return _rewrite(g, expand, [numpy_helper.from_array(np.asarray(v, np.float32), PREFIX + name)
+                                for name, v in consts.items()])
 
 
 def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
@@ -156,16 +165,14 @@ def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
             return n("ReduceMean", [x, axes], [out], keepdims=1)
         return n("ReduceMean", [x], [out], axes=[-1], keepdims=1)
 
-    out, count = [], 0
-    for node in g.node:
+    def expand(node, k):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if not (node.op_type == "LayerNormalizationGrad" and node.domain == "com.microsoft" and len(node.input) == 5
                 and attrs.get("axis", -1) == -1 and not any(o in read for o in node.output[1:] if o)):
-            out.append(node)
-            continue
+            return None
         dy, x, w, mean, inv = node.input
-        b = f"{LN_PREFIX}{count}/"
-        out += [
+        b = f"{LN_PREFIX}{k}/"
+        return [
             n("Mul", [dy, w], [b + "g"]),
             mean_last(b + "g", b + "mean_g"),
             n("Mul", [b + "g", x], [b + "gx"]),
@@ -183,9 +190,5 @@ def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
             n("Mul", [x, b + "k"], [b + "x_k"]),
             n("Sub", [b + "g_inv_shift", b + "x_k"], [node.output[0]]),
         ]
-        count += 1
-    if count:
-        del g.node[:]
-        g.node.extend(out)
-        g.initializer.append(numpy_helper.from_array(np.asarray([-1], np.int64), axes))
-    return count
+
+    return _rewrite(g, expand, [numpy_helper.from_array(np.asarray([-1], np.int64), axes)])
