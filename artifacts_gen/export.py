@@ -3,7 +3,8 @@
 The traced module takes (input_ids, attention_mask, labels, loss_scale) and returns
 (loss, logits). Its per-token layers run on the real tokens only (packing.py), and it computes the
 LM head only at positions whose shifted label is not -100, so prompt tokens and padding cost no
-vocabulary projection, and the [B, S, V] logits tensor never exists. The loss is exactly HF's when loss_scale = 1 / (number of labelled tokens).
+vocabulary projection, and the [B, S, V] logits tensor never exists. The loss is exactly HF's when
+loss_scale = 1 / (number of labelled tokens).
 """
 from __future__ import annotations
 
