@@ -341,6 +341,11 @@ def model_dims(cfg: dict) -> dict:
                 head_cols=vocab_slice_width(cfg["vocab_size"]), linear=lin)
 
 
+def _body_rows(b: int, length: int, real: int, rows_at: str) -> int:
+    """Rows a micro-batch gives the body's linear layers: its real tokens in a padding-free graph, else B*L."""
+    return real if rows_at == "real" else b * length
+
+
 def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int = LORA["r"],
                rows_at: str = "padded") -> dict:
     """FLOPs of one optimizer step (all micro-batches), counted as the matmuls execute them.
@@ -359,7 +364,7 @@ def step_flops(dims: dict, micro_shapes: list[list[int]], head_at: str, r: int =
     lin_params = sum(k * n for _, k, n, _ in dims["linear"]) * dims["layers"]
     lora_params = sum(r * (k + n) for _, k, n, lo in dims["linear"] if lo) * dims["layers"]
     for b, length, real, labelled in micro_shapes:
-        p = real if rows_at == "real" else b * length
+        p = _body_rows(b, length, real, rows_at)
         out["body"] += 2 * (2.0 * p * lin_params)
         out["lora"] += 3 * (2.0 * p * lora_params)
         out["attn"] += 3 * (4.0 * b * length * length * dims["heads"] * dims["head_dim"] * dims["layers"])
@@ -418,7 +423,7 @@ def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm
 
     flops = secs = 0.0
     for b, length, real, labelled in micro_shapes:
-        p = real if rows_at == "real" else b * length
+        p = _body_rows(b, length, real, rows_at)
         for _, k, n, _lo in dims["linear"]:
             f = 2 * 2.0 * p * k * n * dims["layers"]
             flops += f
@@ -527,8 +532,8 @@ def summarize_entry(entry: dict, dims: dict, gemm: list[dict]) -> None:
     defs = entry.get("config_defs") or {k: [c["backend"], c["micro"], c["accum"]] for k, c in entry["configs"].items()}
     entry["config_defs"] = defs
     configs = {}
+    ort_rows = "real" if entry.get("ort_padding_free") else "padded"
     for key, (kind, m, a) in defs.items():
-        ort_rows = "real" if entry.get("ort_padding_free") else "padded"
         summ = summarize(entry["runs"][key], dims, "all" if kind == "torch" else "labelled", gemm,
                          "padded" if kind == "torch" else ort_rows)
         summ.update(backend=kind, micro=m, accum=a)
