@@ -7,8 +7,9 @@ the attention projections, seq-len 128, effective batch 8) and each workload
 three configurations run, each in its own process with 2 threads:
   A  ORT device path: TrainSession + train_step on the loop's micro-batches, micro-batch 8 x accum 1;
   B  PyTorch eager + PEFT (eval.reference.reference_train; SDPA attention, eval() base, AdamW), 8 x 1;
-  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2 in
-     one process, one warm-up + PILOT_STEPS measured steps each, the lowest median step time wins).
+  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2, 8x1
+     in one process, one warm-up + PILOT_STEPS measured steps each, the lowest median step time wins); when
+     the best is 8x1, A is that run too and C does not run that workload.
 Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
 sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
 Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. A fourth
@@ -66,7 +67,7 @@ THREADS = 2
 LM_LINES = 2000
 SFT_DATA = SHARED / "data" / "sft" / "alpaca_en_demo.json"
 LM_SOURCE = SHARED / "data" / "wikitext2" / "train.txt"
-PILOT = ((1, 8), (2, 4), (4, 2))
+PILOT = ((1, 8), (2, 4), (4, 2), (8, 1))   # in this order in one process: an allocator only grows
 PILOT_STEPS = 2                 # measured steps per setting (1 picked a split that ran slower in the lockstep)
 BEST_SPLITS = REPO / "bench" / "best_splits.json"   # written by --pilot: {shape: {workload: [micro, accum]}}
 LEAN = (1, EFFECTIVE_BATCH)      # the memory-lean setting, measured once per shape (lm, 1 warm-up + 1 step)
@@ -692,7 +693,7 @@ def profile_runs(setups: dict, data: dict, sub: Path, results: list[dict], quick
         if not r.get("ok") or r["workload"] != "lm":
             continue
         s = setups[r["shape"]]
-        for m, a in ((EFFECTIVE_BATCH, 1), tuple(r["best"])):
+        for m, a in dict.fromkeys(((EFFECTIVE_BATCH, 1), tuple(r["best"]))):
             prefix = sub / f"profile-{r['shape']}-lm-{m}x{a}"
             for old in sub.glob(prefix.name + "_*.json"):
                 old.unlink()
@@ -752,7 +753,7 @@ def _pilot_summary(pilots: dict) -> str:
 
 
 def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, timeout: float) -> tuple[list, list]:
-    """ORT at 1x8, 2x4, 4x2 in one process (1 warm-up + pilot_steps each): the table and the fastest split."""
+    """ORT at each PILOT setting in one process (1 warm-up + pilot_steps each): the table and the fastest."""
     tag = f"{setup['name'].split('@')[0]}-{wl}"
     log(f"{tag}: pilot {', '.join(f'{m}x{a}' for m, a in PILOT)} (one process, 1 warm-up + {pilot_steps} steps each)")
     spec = {"bundle": setup["bundle"], "data": str(data[wl]), "threads": THREADS, "seed": 0,
@@ -775,8 +776,9 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
                    quick: bool) -> tuple[list[dict], list[dict], dict]:
     """ort-8x1, torch-8x1 and ort-best of one shape, each one process, taking turns step by step: sft, then lm
     (a worker's allocator only grows, so the smaller workload goes first). ort-8x1 first runs the memory-lean
-    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. After each round the
-    GEMM reference worker samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records, its settings)"""
+    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. A workload whose best
+    setting is 8x1 has no ort-best phase: ort-8x1 is that run. After each round the GEMM reference worker
+    samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records, its settings)"""
     wls = [w for w in ("sft", "lm") if w in workloads]
     base = {"bundle": setup["bundle"], "ckpt": setup["ckpt"], "threads": THREADS, "seed": 0}
 
@@ -784,18 +786,23 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
         return {"data": str(data[wl]), "micro": m, "accum": a, "warmup": w, "steps": n}
 
     lean = "lm" in wls
+    split_wls = [w for w in wls if tuple(best[w]) != (EFFECTIVE_BATCH, 1)]   # those with an ort-best phase
     keys = {"ort-8x1": ("ort", EFFECTIVE_BATCH, 1), "torch-8x1": ("torch", EFFECTIVE_BATCH, 1), "ort-best": ("ort", None, None)}
     workers = {
         "ort-8x1": ("ort", {**base, "phases": ([phase("lm", *LEAN, 1, 1)] if lean else [])
                             + [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
         "torch-8x1": ("torch", {**base, "phases": [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
-        "ort-best": ("ort", {**base, "phases": [phase(w, *best[w]) for w in wls]}),
+        "ort-best": ("ort", {**base, "phases": [phase(w, *best[w]) for w in split_wls]}),
     }
+    if not split_wls:
+        del workers["ort-best"]
     workers["gemm-ref"] = ("gemm", {"threads": THREADS, "shapes": gemm_shapes(dims),
                                     "turn_seconds": 0.3 if quick else GEMM_TURN_S})
-    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, [*keys, "gemm-ref"], warmup + steps) for w in wls]
-    log(f"{name}: lockstep of {', '.join(keys)} (" + "; ".join(
-        f"{w}: best {best[w][0]}x{best[w][1]}" for w in wls) + f"), {warmup} warm-up + {steps} steps each"
+    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [
+        (w, [k for k in (*keys, "gemm-ref") if k != "ort-best" or w in split_wls], warmup + steps) for w in wls]
+    log(f"{name}: lockstep of {', '.join(k for k in keys if k in workers)} (" + "; ".join(
+        f"{w}: best {best[w][0]}x{best[w][1]}" + ("" if w in split_wls else " = ort-8x1") for w in wls)
+        + f"), {warmup} warm-up + {steps} steps each"
         + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else "") + "; GEMM reference after each round")
     t0 = time.time()
 
@@ -822,8 +829,11 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
         m, a = best[wl]
         runs, defs = {}, {}
         for key, (kind, mm, aa) in keys.items():
+            if key == "ort-best" and wl not in split_wls:
+                continue                                    # best = 8x1: the ort-8x1 run is the best setting's
+            idx = split_wls.index(wl) if key == "ort-best" else wls.index(wl) + (1 if lean and key == "ort-8x1" else 0)
             label = f"ort-best-{m}x{a}" if key == "ort-best" else key
-            runs[label] = [record(key, wl, j + (1 if lean and key == "ort-8x1" else 0))]
+            runs[label] = [record(key, wl, idx)]
             defs[label] = [kind, mm or m, aa or a]
         table, _ = pilots.get((name, wl), ([], None))
         entry = {"shape": name, "model": setup["name"], "workload": wl, "ok": True, "pilot": table, "best": [m, a],
@@ -1067,7 +1077,13 @@ def _rng(d: dict, fmt: str = "{:.2f}") -> str:
 
 
 def _best_key(entry: dict) -> str:
-    return next(k for k in entry["configs"] if k.startswith("ort-best"))
+    """The config that ran ORT's best setting: ort-best-MxA, or ort-8x1 itself when 8x1 won the pilot."""
+    return next((k for k in entry["configs"] if k.startswith("ort-best")), "ort-8x1")
+
+
+def _ort_keys(entry: dict) -> list[str]:
+    """ort-8x1 and the best setting's config, once each."""
+    return list(dict.fromkeys(("ort-8x1", _best_key(entry))))
 
 
 def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
@@ -1076,7 +1092,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     out = []
     for r in res:
         t = r["configs"]["torch-8x1"]
-        for key in ("ort-8x1", _best_key(r)):
+        for key in _ort_keys(r):
             o = r["configs"][key]
             if not (o.get("ok") and t.get("ok")):
                 continue
@@ -1089,11 +1105,14 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
         by_shape.setdefault(r["shape"], {})[r["workload"]] = r
     for shape, wls in by_shape.items():
         t_peak = max(w["configs"]["torch-8x1"]["peak_rss"] for w in wls.values() if w["configs"]["torch-8x1"].get("ok"))
-        for key_name in ("ort-8x1", "ort-best"):
-            peaks = [(w["configs"][k]["peak_rss"], f"{wl} {k}") for wl, w in wls.items() for k in w["configs"]
-                     if k.startswith(key_name) and w["configs"][k].get("ok")]
-            if not peaks:
+        seen = []
+        for key_name in ("ort-8x1", "ort-best"):       # the best setting's config per workload (may be ort-8x1)
+            peaks = [(w["configs"][k]["peak_rss"], f"{wl} {k}") for wl, w in wls.items()
+                     for k in [k for k in w["configs"] if k.startswith(key_name)] or
+                     ([_best_key(w)] if key_name == "ort-best" else []) if w["configs"][k].get("ok")]
+            if not peaks or peaks in seen:
                 continue
+            seen.append(peaks)
             peak, where = max(peaks)
             lim = TARGET_RSS[shape]
             out.append((f"peak RSS {shape} ({key_name}) <= {lim / 1e9:.1f} GB", peak <= lim,
@@ -1127,7 +1146,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
         out.append((f"peak RSS {shape} (ort-1x8, --memory low, no limit) <= {TARGET_RSS[shape] / 1e9:.1f} GB",
                     lw["peak_rss"] <= TARGET_RSS[shape], f"{lw['peak_rss'] / 1e9:.2f} GB ({_mib(lw['peak_rss'])} MiB)"))
     for r in res:
-        for key in ("ort-8x1", _best_key(r)):
+        for key in _ort_keys(r):
             o = r["configs"][key]
             if o.get("ok") and o.get("efficiency"):
                 e = o["efficiency"]["median"]
@@ -1195,9 +1214,17 @@ def _gemm_description_interleaved(p: dict) -> list[str]:
             "|---|---:|---|---:|---:|---:|---:|"]
 
 
+def _pilot_words(p: dict) -> tuple[str, str]:
+    """("1x8, 2x4, 4x2", "three"): the pilot's settings as this run's JSON records them."""
+    pilot = p["settings"].get("pilot") or [list(q) for q in PILOT]
+    return ", ".join(f"{m}x{a}" for m, a in pilot), {3: "three", 4: "four"}.get(len(pilot), str(len(pilot)))
+
+
 def render_section(p: dict) -> str:
     m = p["machine"]
     s = p["settings"]
+    pilot_list, pilot_n = _pilot_words(p)
+    mb8_best = [f"{r['shape']} {r['workload']}" for r in p["results"] if r.get("ok") and _best_key(r) == "ort-8x1"]
     padding_free = any(r.get("ort_padding_free") for r in p["results"])
     lines = [
         SECTION, "",
@@ -1221,10 +1248,12 @@ def render_section(p: dict) -> str:
         "- **ORT** = the device path: `TrainSession` (`RuntimeOptions(threads=2)`) + `train_step`, fed the "
         "micro-batches `android_runner/loop.py` builds (`DataOrder(n, seed=0, micro)` + `collate`, right-padded to "
         "the longest sequence of each micro-batch), torch not importable in the process (as on a phone). "
-        "`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of 1x8, 2x4, 4x2 in a pilot "
-        f"(`--pilot`: one process per shape and workload, the three settings in turn, 1 warm-up + {s['pilot_steps']} "
+        f"`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of {pilot_list} in a pilot "
+        f"(`--pilot`: one process per shape and workload, the {pilot_n} settings in turn, 1 warm-up + {s['pilot_steps']} "
         "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
-        "(pilot numbers below when this run re-measured them).",
+        "(pilot numbers below when this run re-measured them)" + (
+            "." if not mb8_best else f". Where 8x1 won ({', '.join(mb8_best)}), the best setting's numbers are "
+            "ort-8x1's, marked `ort-8x1 (best)`, and no second process runs it."),
         "- **PyTorch** = `eval.reference.reference_train` (PEFT LoRA with the bundle's own `target_modules`, "
         "transformers' default attention (SDPA), base model in `eval()`, AdamW, clipping 1.0, loss = summed NLL "
         "over the step's labelled tokens / their count), `torch.set_num_threads(2)`, one micro-batch of the same 8 "
@@ -1244,7 +1273,7 @@ def render_section(p: dict) -> str:
         "counts change), Qwen2.5's for qwen2.5-0.5b.",
         f"- Lockstep, per shape: three processes (ort-8x1, torch-8x1, ort-best) load at the same time, then take "
         f"turns one step at a time (A B C A B C ...), so no two steps ever overlap and slow phases of the machine hit "
-        f"all three alike: first the sft workload, then lm, each {s['warmup']} warm-up + {s['steps']} measured steps "
+        f"all three alike{' (ort-best only in the workloads a split won)' if mb8_best else ''}: first the sft workload, then lm, each {s['warmup']} warm-up + {s['steps']} measured steps "
         "on the same data in every process. Before its sft phase, the ort-8x1 process runs the memory-lean setting "
         "1x8 on lm (1 warm-up + 1 measured step), while nothing else has been allocated in it: that phase gives the "
         "lean peak RSS and the normal-mode comparison of the low-memory section. "
@@ -1288,8 +1317,9 @@ def render_section(p: dict) -> str:
             eff = f"{c['efficiency']['median']:.0%}" if c.get("efficiency") else "-"
             eff += f" ({c['efficiency_warm']['median']:.0%})" if c.get("efficiency_warm") else ""
             cpu = f"{c['cpu_per_wall']['median']:.2f}" if c.get("cpu_per_wall") else "-"
+            shown = f"{key} (best)" if key == "ort-8x1" and _best_key(r) == key else key
             lines.append(
-                f"| {r['shape']} | {r['workload']} | {key} | {_rng(c['step_seconds'])} | "
+                f"| {r['shape']} | {r['workload']} | {shown} | {_rng(c['step_seconds'])} | "
                 f"{_rng(c['tokens_per_s'], '{:.0f}')} | {c['label_tokens_per_s']['median']:.0f} | {ratio} | "
                 f"{_mib(c['peak_rss'])} | {c['gflop_per_step']:.0f} | {_rng(c['achieved_gflops'], '{:.1f}')} | {eff} | {cpu} |")
     if p.get("best_splits_measured"):
@@ -1413,8 +1443,8 @@ def render_analysis(p: dict) -> list[str]:
                          f"({_mib(end.get('RssAnon', 0))} / {_mib(end.get('RssFile', 0))}) | {_mib(c['peak_rss'])} |")
     pil = [r for r in p["results"] if r.get("ok") and r.get("pilot")]
     if pil:
-        lines += ["", "ORT VmRSS after the pilot's steps (one process running 1x8, then 2x4, then 4x2; only the first, "
-                  "1x8, is free of the earlier settings' allocations; a sample after a step, not the peak): "
+        lines += ["", f"ORT VmRSS after the pilot's steps (one process running {_pilot_words(p)[0].replace(', ', ', then ')}; "
+                  "only the first, 1x8, is free of the earlier settings' allocations; a sample after a step, not the peak): "
                   + "; ".join(f"{r['shape']} {r['workload']}: " + ", ".join(
                       f"{q['micro']}x{q['accum']} {_mib(q['rss_end'])} MiB" for q in r["pilot"]) for r in pil) + "."]
     lm = p.get("lowmem")
@@ -1463,7 +1493,7 @@ def make_plot(p: dict, path: Path) -> None:
     for j, kind in enumerate(("ort-8x1", "ort-best", "torch-8x1")):
         xs, ys, lo, hi, names = [], [], [], [], []
         for i, r in enumerate(res):
-            key = next((k for k in r["configs"] if k.startswith(kind)), None)
+            key = _best_key(r) if kind == "ort-best" else next((k for k in r["configs"] if k.startswith(kind)), None)
             c = r["configs"].get(key, {})
             if c.get("ok"):
                 t = c["tokens_per_s"]
@@ -1471,7 +1501,7 @@ def make_plot(p: dict, path: Path) -> None:
                 ys.append(t["median"])
                 lo.append(t["median"] - t["min"])
                 hi.append(t["max"] - t["median"])
-                names.append(key.replace("ort-best-", ""))
+                names.append(key.replace("ort-best-", "").replace("ort-", ""))
         bars = ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=3, color=colors[kind], label=kind)
         if kind == "ort-best":
             for b, nm in zip(bars, names):
@@ -1486,7 +1516,7 @@ def make_plot(p: dict, path: Path) -> None:
         ys = []
         for sh in shapes:
             vals = [c["peak_rss"] for r in res if r["shape"] == sh for k, c in r["configs"].items()
-                    if k.startswith(kind) and c.get("ok")]
+                    if (k == _best_key(r) if kind == "ort-best" else k.startswith(kind)) and c.get("ok")]
             ys.append(max(vals) / 2**30 if vals else 0)
         ax2.bar([i + (j - 1) * width for i in range(len(shapes))], ys, width, color=colors[kind], label=kind)
     for i, sh in enumerate(shapes):
