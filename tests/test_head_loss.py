@@ -232,6 +232,52 @@ def test_layer_norm_grad_replacement_matches_torch_and_ort(opset):
     assert np.abs(new_dx - ort_dx).max() <= 2e-5 * scale
 
 
+@pytest.mark.parametrize("opset", [17, 18])
+def test_rms_norm_grad_replacement_matches_torch_and_ort(opset):
+    """slow_kernels: the rewritten SimplifiedLayerNormalizationGrad gives torch's float64 autograd dX of an RMSNorm
+    (rows of very different scales, a weight broadcast over a 3-D input as in Gemma3's q/k norms) and ORT's own
+    kernel's; a node whose dScale is read is kept."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from artifacts_gen.slow_kernels import replace_rms_norm_grad
+
+    rng = np.random.default_rng(2)
+    heads, n_rows, d, eps = 3, 40, 64, 1e-6
+    x = (rng.normal(size=(heads, n_rows, d)) * rng.uniform(0.05, 20, (heads, n_rows, 1)) + 0.5).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    inv = (1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)).astype(np.float32)
+    feeds = {"dy": dy, "x": x, "w": w, "inv": inv}
+
+    def model(read_dw: bool):
+        node = helper.make_node("SimplifiedLayerNormalizationGrad", list(feeds), ["dx", "dw"], domain="com.microsoft",
+                                axis=-1, epsilon=eps)
+        ins = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()]
+        outs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, None) for k in (["dx", "dw"] if read_dw else ["dx"])]
+        return helper.make_model(helper.make_graph([node], "g", ins, outs),
+                                 opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        ["dx"], feeds)[0]
+
+    kept = model(read_dw=True)
+    assert replace_rms_norm_grad(kept) == 0
+    m = model(read_dw=False)
+    ort_dx = run(m)
+    assert replace_rms_norm_grad(m) == 1
+    assert all(n.op_type != "SimplifiedLayerNormalizationGrad" for n in m.graph.node)
+    new_dx = run(m)
+
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps) * torch.tensor(w, dtype=torch.float64)
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    ref = xt.grad.numpy()
+    scale = np.abs(ref).max(-1, keepdims=True)            # per row: the rows' scales differ by 400x
+    assert (np.abs(new_dx - ref) <= 1e-5 * scale).all()
+    assert (np.abs(ort_dx - ref) <= 1e-5 * scale).all()   # the bar holds for ORT's own kernel too
+
+
 def test_gather_grad_replacement_matches_torch_and_only_for_nonzero_indices():
     """slow_kernels: a GatherGrad whose indices are torch.nonzero(mask).squeeze(1) (no index repeats) becomes a
     ScatterND with torch's autograd result of index_select; one with other indices (they may repeat) is kept."""
