@@ -7,8 +7,9 @@ the attention projections, seq-len 128, effective batch 8) and each workload
 three configurations run, each in its own process with 2 threads:
   A  ORT device path: TrainSession + train_step on the loop's micro-batches, micro-batch 8 x accum 1;
   B  PyTorch eager + PEFT (eval.reference.reference_train; SDPA attention, eval() base, AdamW), 8 x 1;
-  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2, 8x1
-     in one process, one warm-up + PILOT_STEPS measured steps each, the lowest median step time wins); when
+  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2, 8x1,
+     one process each, in lockstep, one warm-up + PILOT_STEPS measured steps each, the lowest median step
+     time wins); when
      the best is 8x1, A is that run too and C does not run that workload.
 Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
 sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
@@ -67,7 +68,7 @@ THREADS = 2
 LM_LINES = 2000
 SFT_DATA = SHARED / "data" / "sft" / "alpaca_en_demo.json"
 LM_SOURCE = SHARED / "data" / "wikitext2" / "train.txt"
-PILOT = ((1, 8), (2, 4), (4, 2), (8, 1))   # in this order in one process: an allocator only grows
+PILOT = ((1, 8), (2, 4), (4, 2), (8, 1))   # one process each, taking turns step by step
 PILOT_STEPS = 2                 # measured steps per setting (1 picked a split that ran slower in the lockstep)
 BEST_SPLITS = REPO / "bench" / "best_splits.json"   # written by --pilot: {shape: {workload: [micro, accum]}}
 LEAN = (1, EFFECTIVE_BATCH)      # the memory-lean setting, measured once per shape (lm, 1 warm-up + 1 step)
@@ -753,18 +754,27 @@ def _pilot_summary(pilots: dict) -> str:
 
 
 def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, timeout: float) -> tuple[list, list]:
-    """ORT at each PILOT setting in one process (1 warm-up + pilot_steps each): the table and the fastest."""
+    """ORT at each PILOT setting, one process each, taking turns step by step (1 warm-up + pilot_steps each; the
+    machine's drift hits every setting alike): the table and the fastest."""
     tag = f"{setup['name'].split('@')[0]}-{wl}"
-    log(f"{tag}: pilot {', '.join(f'{m}x{a}' for m, a in PILOT)} (one process, 1 warm-up + {pilot_steps} steps each)")
-    spec = {"bundle": setup["bundle"], "data": str(data[wl]), "threads": THREADS, "seed": 0,
-            "phases": [{"micro": m, "accum": a, "warmup": 1, "steps": pilot_steps} for m, a in PILOT]}
-    pilot = run_child("ort", spec, sub / f"{tag}-pilot.log", timeout)
-    if not pilot.ok:
-        log(f"   pilot FAILED, using 1x8:\n{_tail(pilot.log_path)}")
+    log(f"{tag}: pilot {', '.join(f'{m}x{a}' for m, a in PILOT)} (one process each, in lockstep, "
+        f"1 warm-up + {pilot_steps} steps each)")
+    workers = {f"{m}x{a}": ("ort", {"bundle": setup["bundle"], "threads": THREADS, "seed": 0, "phases": [
+        {"data": str(data[wl]), "micro": m, "accum": a, "warmup": 1, "steps": pilot_steps}]}) for m, a in PILOT}
+    ls = Lockstep(workers, [(wl, list(workers), 1 + pilot_steps)], sub, f"{tag}-pilot", timeout)
+    ls.run()
+    out = ls.finish()
+    table = []
+    for key, o in out.items():
+        if key in ls.failed or not o["result"]:
+            log(f"   pilot {key} FAILED:\n{ls.failed.get(key) or o['log_tail']}")
+            continue
+        ph = o["result"]["phases"][0]
+        table.append({"micro": ph["micro"], "accum": ph["accum"], "rss_end": ph["steps"][-1]["rss"], "hwm": ph.get("hwm"),
+                      "median_step_s": statistics.median(x["seconds"] for x in _measured(o["result"]))})
+    if not table:
+        log("   pilot FAILED, using 1x8")
         return [], [1, EFFECTIVE_BATCH]
-    table = [{"micro": ph["micro"], "accum": ph["accum"], "rss_end": ph["steps"][-1]["rss"], "hwm": ph.get("hwm"),
-              "median_step_s": statistics.median(x["seconds"] for x in _measured(pilot.result, i))}
-             for i, ph in enumerate(pilot.result["phases"])]
     best = min(table, key=lambda q: q["median_step_s"])
     log("   pilot: " + ", ".join(f"{q['micro']}x{q['accum']} {q['median_step_s']:.2f} s" for q in table)
         + f" -> best {best['micro']}x{best['accum']}")
@@ -917,7 +927,7 @@ def main(argv=None) -> int:
     info = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
             "machine": grs.machine(), "quick": args.quick, "load_at_start": os.getloadavg(),
             "settings": {"lora": LORA, "seq_len": SEQ_LEN, "effective_batch": EFFECTIVE_BATCH, "threads": THREADS,
-                         "steps": steps, "warmup": warmup, "mode": "lockstep", "pilot": [list(p) for p in PILOT],
+                         "steps": steps, "warmup": warmup, "mode": "lockstep", "pilot": [list(p) for p in PILOT], "pilot_mode": "lockstep",
                          "pilot_steps": pilot_steps, "lm_lines": LM_LINES}}
     data = prepare_data(sub)
     raw_json = sub / "bench_train_throughput.json" if (args.quick or args.no_doc) else RAW_JSON
@@ -1086,6 +1096,11 @@ def _ort_keys(entry: dict) -> list[str]:
     return list(dict.fromkeys(("ort-8x1", _best_key(entry))))
 
 
+def _shown(entry: dict, key: str) -> str:
+    """A config's name in tables and verdicts: `ort-8x1 (best)` where 8x1 won the pilot."""
+    return f"{key} (best)" if key == "ort-8x1" and _best_key(entry) == key else key
+
+
 def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     """(target, met?, evidence) for each target of the issue."""
     res = [r for r in payload["results"] if r.get("ok")]
@@ -1098,7 +1113,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
                 continue
             ratio = o["tokens_per_s"]["median"] / t["tokens_per_s"]["median"]
             need = TARGET_SPEEDUP[r["workload"]]
-            out.append((f"throughput {r['shape']} {r['workload']} ({key}) >= {need}x PyTorch", ratio >= need,
+            out.append((f"throughput {r['shape']} {r['workload']} ({_shown(r, key)}) >= {need}x PyTorch", ratio >= need,
                         f"{ratio:.2f}x"))
     by_shape: dict[str, dict] = {}
     for r in res:
@@ -1126,7 +1141,8 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
             lean.setdefault(r["shape"], []).append((r["lean"]["peak_rss"], f"{r['workload']}, the lean phase, first in "
                                                     "its process (max of VmHWM and sampled VmRSS)"))
         elif q and q.get("hwm"):
-            lean.setdefault(r["shape"], []).append((q["hwm"], f"{r['workload']}, VmHWM of the pilot's 1x8 phase, run first"))
+            lean.setdefault(r["shape"], []).append((q["hwm"], f"{r['workload']}, VmHWM of the pilot's 1x8 " + (
+                "process" if payload["settings"].get("pilot_mode") == "lockstep" else "phase, run first")))
         elif q:
             lean.setdefault(r["shape"], []).append((q["rss_end"], f"{r['workload']}, VmRSS sample after the pilot's 1x8 steps"))
     lmem = payload.get("lowmem")
@@ -1152,7 +1168,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
                 e = o["efficiency"]["median"]
                 warm = (f"; {o['efficiency_warm']['median']:.0%} of the warm, prepacked upper bound "
                         f"{o['gemm_reference_warm_gflops']:.1f}" if o.get("efficiency_warm") else "")
-                out.append((f"efficiency {r['shape']} {r['workload']} ({key}) >= {TARGET_EFFICIENCY:.0%} of GEMM "
+                out.append((f"efficiency {r['shape']} {r['workload']} ({_shown(r, key)}) >= {TARGET_EFFICIENCY:.0%} of GEMM "
                             "as the training session runs it", e >= TARGET_EFFICIENCY,
                             f"{e:.0%} ({o['achieved_gflops']['median']:.1f} of {o['gemm_reference_gflops']:.1f} "
                             f"GFLOP/s{warm})"))
@@ -1249,8 +1265,10 @@ def render_section(p: dict) -> str:
         "micro-batches `android_runner/loop.py` builds (`DataOrder(n, seed=0, micro)` + `collate`, right-padded to "
         "the longest sequence of each micro-batch), torch not importable in the process (as on a phone). "
         f"`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of {pilot_list} in a pilot "
-        f"(`--pilot`: one process per shape and workload, the {pilot_n} settings in turn, 1 warm-up + {s['pilot_steps']} "
-        "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
+        + ("(`--pilot`: one process per setting, shape and workload, the settings taking turns step by step as in "
+           f"the lockstep below, 1 warm-up + {s['pilot_steps']} " if s.get("pilot_mode") == "lockstep" else
+           f"(`--pilot`: one process per shape and workload, the {pilot_n} settings in turn, 1 warm-up + {s['pilot_steps']} ")
+        + "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
         "(pilot numbers below when this run re-measured them)" + (
             "." if not mb8_best else f". Where 8x1 won ({', '.join(mb8_best)}), the best setting's numbers are "
             "ort-8x1's, marked `ort-8x1 (best)`, and no second process runs it."),
@@ -1317,9 +1335,8 @@ def render_section(p: dict) -> str:
             eff = f"{c['efficiency']['median']:.0%}" if c.get("efficiency") else "-"
             eff += f" ({c['efficiency_warm']['median']:.0%})" if c.get("efficiency_warm") else ""
             cpu = f"{c['cpu_per_wall']['median']:.2f}" if c.get("cpu_per_wall") else "-"
-            shown = f"{key} (best)" if key == "ort-8x1" and _best_key(r) == key else key
             lines.append(
-                f"| {r['shape']} | {r['workload']} | {shown} | {_rng(c['step_seconds'])} | "
+                f"| {r['shape']} | {r['workload']} | {_shown(r, key)} | {_rng(c['step_seconds'])} | "
                 f"{_rng(c['tokens_per_s'], '{:.0f}')} | {c['label_tokens_per_s']['median']:.0f} | {ratio} | "
                 f"{_mib(c['peak_rss'])} | {c['gflop_per_step']:.0f} | {_rng(c['achieved_gflops'], '{:.1f}')} | {eff} | {cpu} |")
     if p.get("best_splits_measured"):
@@ -1443,8 +1460,10 @@ def render_analysis(p: dict) -> list[str]:
                          f"({_mib(end.get('RssAnon', 0))} / {_mib(end.get('RssFile', 0))}) | {_mib(c['peak_rss'])} |")
     pil = [r for r in p["results"] if r.get("ok") and r.get("pilot")]
     if pil:
-        lines += ["", f"ORT VmRSS after the pilot's steps (one process running {_pilot_words(p)[0].replace(', ', ', then ')}; "
-                  "only the first, 1x8, is free of the earlier settings' allocations; a sample after a step, not the peak): "
+        lines += ["", ("ORT VmRSS after the pilot's steps (one process per setting; a sample after a step, not the peak): "
+                       if p["settings"].get("pilot_mode") == "lockstep" else
+                       f"ORT VmRSS after the pilot's steps (one process running {_pilot_words(p)[0].replace(', ', ', then ')}; "
+                       "only the first, 1x8, is free of the earlier settings' allocations; a sample after a step, not the peak): ")
                   + "; ".join(f"{r['shape']} {r['workload']}: " + ", ".join(
                       f"{q['micro']}x{q['accum']} {_mib(q['rss_end'])} MiB" for q in r["pilot"]) for r in pil) + "."]
     lm = p.get("lowmem")
