@@ -279,6 +279,8 @@ def machine() -> dict:
     meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor() or "unknown")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), []))
     from importlib import metadata
     versions = {}
     for pkg in ("torch", "transformers", "peft", "onnx", "onnxruntime-training", "onnxruntime-training-cpu", "protobuf"):
@@ -291,6 +293,7 @@ def machine() -> dict:
         "ram_bytes": meminfo.get("MemTotal", 0),
         "swap_bytes": meminfo.get("SwapTotal", 0),
         "cpu_model": cpu,
+        "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
         "python": platform.python_version(),
         "kernel": platform.release(),
         "versions": versions,

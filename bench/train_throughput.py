@@ -1254,7 +1254,9 @@ def render_section(p: dict) -> str:
         *([f"Re-measured afterwards with `{m['command']}` ({m['date']}, {m['wall_seconds'] / 60:.0f} min, load "
            f"{m['load_at_start'][0]:.2f} -> {m['load_at_end'][0]:.2f}): {', '.join(m['replaced'])}; those rows are "
            "from that run." for m in p.get("merges", [])] + [""] if p.get("merges") else []),
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}, AVX2/FMA, no AVX-512), {m['ram_bytes'] / 2**30:.1f} GiB RAM; "
+        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}, "
+        + (("SIMD flags " + ", ".join(m["simd"])) if "simd" in m else "AVX2/FMA, no AVX-512")     # older runs: the AMD host
+        + f"), {m['ram_bytes'] / 2**30:.1f} GiB RAM; "
         f"Linux {m['kernel']}, Python {m['python']}, " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
         + f". Load average at start {p['load_at_start'][0]:.2f}, at end {p['load_at_end'][0]:.2f} "
         "(the machine was shared; see the ranges).",
