@@ -9,8 +9,7 @@ three configurations run, each in its own process with 2 threads:
   B  PyTorch eager + PEFT (eval.reference.reference_train; SDPA attention, eval() base, AdamW), 8 x 1;
   C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2, 8x1,
      one process each, in lockstep, one warm-up + PILOT_STEPS measured steps each, the lowest median step
-     time wins); when
-     the best is 8x1, A is that run too and C does not run that workload.
+     time wins); when the best is 8x1, A is that run too and C does not run that workload.
 Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
 sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
 Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. A fourth
@@ -841,7 +840,7 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
         for key, (kind, mm, aa) in keys.items():
             if key == "ort-best" and wl not in split_wls:
                 continue                                    # best = 8x1: the ort-8x1 run is the best setting's
-            idx = split_wls.index(wl) if key == "ort-best" else wls.index(wl) + (1 if lean and key == "ort-8x1" else 0)
+            idx = split_wls.index(wl) if key == "ort-best" else j + (1 if lean and key == "ort-8x1" else 0)
             label = f"ort-best-{m}x{a}" if key == "ort-best" else key
             runs[label] = [record(key, wl, idx)]
             defs[label] = [kind, mm or m, aa or a]
@@ -927,8 +926,8 @@ def main(argv=None) -> int:
     info = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
             "machine": grs.machine(), "quick": args.quick, "load_at_start": os.getloadavg(),
             "settings": {"lora": LORA, "seq_len": SEQ_LEN, "effective_batch": EFFECTIVE_BATCH, "threads": THREADS,
-                         "steps": steps, "warmup": warmup, "mode": "lockstep", "pilot": [list(p) for p in PILOT], "pilot_mode": "lockstep",
-                         "pilot_steps": pilot_steps, "lm_lines": LM_LINES}}
+                         "steps": steps, "warmup": warmup, "mode": "lockstep", "pilot": [list(p) for p in PILOT],
+                         "pilot_mode": "lockstep", "pilot_steps": pilot_steps, "lm_lines": LM_LINES}}
     data = prepare_data(sub)
     raw_json = sub / "bench_train_throughput.json" if (args.quick or args.no_doc) else RAW_JSON
     plot = sub / "bench_train_throughput.png" if (args.quick or args.no_doc) else PLOT
@@ -1121,10 +1120,9 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     for shape, wls in by_shape.items():
         t_peak = max(w["configs"]["torch-8x1"]["peak_rss"] for w in wls.values() if w["configs"]["torch-8x1"].get("ok"))
         seen = []
-        for key_name in ("ort-8x1", "ort-best"):       # the best setting's config per workload (may be ort-8x1)
-            peaks = [(w["configs"][k]["peak_rss"], f"{wl} {k}") for wl, w in wls.items()
-                     for k in [k for k in w["configs"] if k.startswith(key_name)] or
-                     ([_best_key(w)] if key_name == "ort-best" else []) if w["configs"][k].get("ok")]
+        for key_name, pick in (("ort-8x1", lambda w: "ort-8x1"), ("ort-best", _best_key)):   # best may be ort-8x1
+            peaks = [(w["configs"][pick(w)]["peak_rss"], f"{wl} {pick(w)}") for wl, w in wls.items()
+                     if w["configs"].get(pick(w), {}).get("ok")]
             if not peaks or peaks in seen:
                 continue
             seen.append(peaks)
