@@ -74,6 +74,19 @@ def _rewrite(g: onnx.GraphProto, expand, initializers) -> int:
     return count
 
 
+def _reads(model: onnx.ModelProto) -> set[str]:
+    """Every tensor name some node or the graph's output reads."""
+    return {i for node in model.graph.node for i in node.input} | {o.name for o in model.graph.output}
+
+
+def _mean_last(model: onnx.ModelProto, axes: str, x: str, out: str) -> onnx.NodeProto:
+    """ReduceMean over the last axis, keepdims; its axes became an input (the initializer `axes`) in opset 18."""
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset >= 18:
+        return helper.make_node("ReduceMean", [x, axes], [out], keepdims=1)
+    return helper.make_node("ReduceMean", [x], [out], axes=[-1], keepdims=1)
+
+
 def _nonzero_rows(g: onnx.GraphProto, producer: dict, name: str) -> bool:
     """Whether `name` is NonZero(x) of a 1-D x as a flat index list: NonZero -> Transpose -> Squeeze(axis 1)
     (torch.nonzero(x).squeeze(1)), possibly cast. Such indices are strictly increasing: no index repeats."""
@@ -165,15 +178,9 @@ def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
     """Rewrite every com.microsoft LayerNormalizationGrad(dY, X, scale, mean, inv_std) over the last axis
     whose dScale / dBias outputs nothing reads; returns how many."""
     g = model.graph
-    read = {i for node in g.node for i in node.input} | {o.name for o in g.output}
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    read = _reads(model)
     axes = LN_PREFIX + "axes"
     n = helper.make_node
-
-    def mean_last(x: str, out: str) -> onnx.NodeProto:     # ReduceMean's axes became an input in opset 18
-        if opset >= 18:
-            return n("ReduceMean", [x, axes], [out], keepdims=1)
-        return n("ReduceMean", [x], [out], axes=[-1], keepdims=1)
 
     def expand(node, k):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -184,9 +191,9 @@ def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
         b = f"{LN_PREFIX}{k}/"
         return [
             n("Mul", [dy, w], [b + "g"]),
-            mean_last(b + "g", b + "mean_g"),
+            _mean_last(model, axes, b + "g", b + "mean_g"),
             n("Mul", [b + "g", x], [b + "gx"]),
-            mean_last(b + "gx", b + "mean_gx"),
+            _mean_last(model, axes, b + "gx", b + "mean_gx"),
             n("Mul", [mean, b + "mean_g"], [b + "mean_mean_g"]),                   # [N, 1] from here ...
             n("Sub", [b + "mean_gx", b + "mean_mean_g"], [b + "centered"]),
             n("Mul", [b + "centered", inv], [b + "mean_g_xhat"]),
@@ -208,8 +215,7 @@ def replace_rms_norm_grad(model: onnx.ModelProto) -> int:
     """Rewrite every com.microsoft SimplifiedLayerNormalizationGrad(dY, X, scale, inv_std) over the last axis
     whose dScale output nothing reads; returns how many."""
     g = model.graph
-    read = {i for node in g.node for i in node.input} | {o.name for o in g.output}
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    read = _reads(model)
     axes = RMS_PREFIX + "axes"
     n = helper.make_node
 
@@ -221,12 +227,10 @@ def replace_rms_norm_grad(model: onnx.ModelProto) -> int:
             return None
         dy, x, w, inv = node.input
         b = f"{RMS_PREFIX}{k}/"
-        mean = (n("ReduceMean", [b + "gx", axes], [b + "mean_gx"], keepdims=1) if opset >= 18
-                else n("ReduceMean", [b + "gx"], [b + "mean_gx"], axes=[-1], keepdims=1))
         return [
             n("Mul", [dy, w], [b + "g"]),
             n("Mul", [b + "g", x], [b + "gx"]),
-            mean,
+            _mean_last(model, axes, b + "gx", b + "mean_gx"),
             n("Mul", [inv, inv], [b + "inv2"]),                                    # [N, 1] from here ...
             n("Mul", [b + "inv2", inv], [b + "inv3"]),
             n("Mul", [b + "mean_gx", b + "inv3"], [b + "k"]),                      # ... to here

@@ -184,14 +184,36 @@ def test_fast_gelu_grad_replacement_matches_torch_and_ort():
     assert np.abs(new_dx - ort_dx).max() <= 1e-5
 
 
+def _norm_grad_rewrite(op: str, replace, feeds: dict, eps: float, opset: int) -> tuple[np.ndarray, np.ndarray]:
+    """One com.microsoft `op` node (dX and dScale outputs) run by ORT before and after `replace`, which must keep a
+    node whose dScale is read and rewrite one whose dScale nothing reads. -> (ORT's kernel's dX, the rewrite's dX)"""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    def model(read_dw: bool):
+        node = helper.make_node(op, list(feeds), ["dx", "dw"] + (["db"] if op == "LayerNormalizationGrad" else []),
+                                domain="com.microsoft", axis=-1, epsilon=eps)
+        ins = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()]
+        outs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, None) for k in (["dx", "dw"] if read_dw else ["dx"])]
+        return helper.make_model(helper.make_graph([node], "g", ins, outs),
+                                 opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        ["dx"], feeds)[0]
+
+    assert replace(model(read_dw=True)) == 0
+    m = model(read_dw=False)
+    ort_dx = run(m)
+    assert replace(m) == 1
+    assert all(n.op_type != op for n in m.graph.node)
+    return ort_dx, run(m)
+
+
 @pytest.mark.parametrize("opset", [17, 18])
 def test_layer_norm_grad_replacement_matches_torch_and_ort(opset):
     """slow_kernels: the rewritten LayerNormalizationGrad gives torch's float64 autograd dX of layer_norm
     and ORT's own kernel's, on rows with a large mean (the rewrite subtracts mean * k late); a node whose
     dScale is read is kept."""
-    import onnxruntime as ort
     import torch
-    from onnx import TensorProto, helper
 
     from artifacts_gen.slow_kernels import replace_layer_norm_grad
 
@@ -203,24 +225,7 @@ def test_layer_norm_grad_replacement_matches_torch_and_ort(opset):
     mean = x.mean(-1, keepdims=True)
     inv = (1 / np.sqrt(x.var(-1, keepdims=True) + eps)).astype(np.float32)
     feeds = {"dy": dy, "x": x, "w": w, "mean": mean, "inv": inv}
-
-    def model(read_dw: bool):
-        node = helper.make_node("LayerNormalizationGrad", list(feeds), ["dx", "dw", "db"], domain="com.microsoft",
-                                axis=-1, epsilon=eps)
-        ins = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()]
-        outs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, None) for k in (["dx", "dw"] if read_dw else ["dx"])]
-        return helper.make_model(helper.make_graph([node], "g", ins, outs),
-                                 opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
-    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
-        ["dx"], feeds)[0]
-
-    kept = model(read_dw=True)
-    assert replace_layer_norm_grad(kept) == 0
-    m = model(read_dw=False)
-    ort_dx = run(m)
-    assert replace_layer_norm_grad(m) == 1
-    assert all(n.op_type != "LayerNormalizationGrad" for n in m.graph.node)
-    new_dx = run(m)
+    ort_dx, new_dx = _norm_grad_rewrite("LayerNormalizationGrad", replace_layer_norm_grad, feeds, eps, opset)
 
     xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     torch.nn.functional.layer_norm(xt, (d,), torch.tensor(w, dtype=torch.float64), None, eps).backward(
@@ -237,9 +242,7 @@ def test_rms_norm_grad_replacement_matches_torch_and_ort(opset):
     """slow_kernels: the rewritten SimplifiedLayerNormalizationGrad gives torch's float64 autograd dX of an RMSNorm
     (rows of very different scales, a weight broadcast over a 3-D input as in Gemma3's q/k norms) and ORT's own
     kernel's; a node whose dScale is read is kept."""
-    import onnxruntime as ort
     import torch
-    from onnx import TensorProto, helper
 
     from artifacts_gen.slow_kernels import replace_rms_norm_grad
 
@@ -250,24 +253,7 @@ def test_rms_norm_grad_replacement_matches_torch_and_ort(opset):
     w = rng.uniform(0.5, 1.5, d).astype(np.float32)
     inv = (1 / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)).astype(np.float32)
     feeds = {"dy": dy, "x": x, "w": w, "inv": inv}
-
-    def model(read_dw: bool):
-        node = helper.make_node("SimplifiedLayerNormalizationGrad", list(feeds), ["dx", "dw"], domain="com.microsoft",
-                                axis=-1, epsilon=eps)
-        ins = [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()]
-        outs = [helper.make_tensor_value_info(k, TensorProto.FLOAT, None) for k in (["dx", "dw"] if read_dw else ["dx"])]
-        return helper.make_model(helper.make_graph([node], "g", ins, outs),
-                                 opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)])
-    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(  # noqa: E731
-        ["dx"], feeds)[0]
-
-    kept = model(read_dw=True)
-    assert replace_rms_norm_grad(kept) == 0
-    m = model(read_dw=False)
-    ort_dx = run(m)
-    assert replace_rms_norm_grad(m) == 1
-    assert all(n.op_type != "SimplifiedLayerNormalizationGrad" for n in m.graph.node)
-    new_dx = run(m)
+    ort_dx, new_dx = _norm_grad_rewrite("SimplifiedLayerNormalizationGrad", replace_rms_norm_grad, feeds, eps, opset)
 
     xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     y = xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + eps) * torch.tensor(w, dtype=torch.float64)
