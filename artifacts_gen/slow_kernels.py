@@ -79,6 +79,14 @@ def _reads(model: onnx.ModelProto) -> set[str]:
     return {i for node in model.graph.node for i in node.input} | {o.name for o in model.graph.output}
 
 
+def _dx_only(node: onnx.NodeProto, op_type: str, n_inputs: int, read: set[str]) -> bool:
+    """Whether `node` is a com.microsoft norm gradient `op_type` over the last axis whose outputs after dX
+    (the gradients of the frozen scale and bias) nothing reads."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return (node.op_type == op_type and node.domain == "com.microsoft" and len(node.input) == n_inputs
+            and attrs.get("axis", -1) == -1 and not any(o in read for o in node.output[1:] if o))
+
+
 def _mean_last(model: onnx.ModelProto, axes: str, x: str, out: str) -> onnx.NodeProto:
     """ReduceMean over the last axis, keepdims; its axes became an input (the initializer `axes`) in opset 18."""
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
@@ -183,9 +191,7 @@ def replace_layer_norm_grad(model: onnx.ModelProto) -> int:
     n = helper.make_node
 
     def expand(node, k):
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if not (node.op_type == "LayerNormalizationGrad" and node.domain == "com.microsoft" and len(node.input) == 5
-                and attrs.get("axis", -1) == -1 and not any(o in read for o in node.output[1:] if o)):
+        if not _dx_only(node, "LayerNormalizationGrad", 5, read):
             return None
         dy, x, w, mean, inv = node.input
         b = f"{LN_PREFIX}{k}/"
@@ -220,10 +226,7 @@ def replace_rms_norm_grad(model: onnx.ModelProto) -> int:
     n = helper.make_node
 
     def expand(node, k):
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if not (node.op_type == "SimplifiedLayerNormalizationGrad" and node.domain == "com.microsoft"
-                and len(node.input) == 4 and attrs.get("axis", -1) == -1
-                and not any(o in read for o in node.output[1:] if o)):
+        if not _dx_only(node, "SimplifiedLayerNormalizationGrad", 4, read):
             return None
         dy, x, w, inv = node.input
         b = f"{RMS_PREFIX}{k}/"

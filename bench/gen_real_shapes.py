@@ -277,10 +277,10 @@ def _tail(path: Path, n: int = 40) -> str:
 
 def machine() -> dict:
     meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or "unknown")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), []))
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
+               platform.processor() or "unknown")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), []))
     from importlib import metadata
     versions = {}
     for pkg in ("torch", "transformers", "peft", "onnx", "onnxruntime-training", "onnxruntime-training-cpu", "protobuf"):

@@ -88,18 +88,19 @@ def assert_lora_grads_match_autograd(ckpt, bundle, ref=None, seed: int = 2) -> N
 def test_lora_grads_match_autograd(built):
     family, ckpt, bundle = built
     assert_lora_grads_match_autograd(ckpt, bundle)
-    ops = [n.op_type for n in onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph.node]
+    graph = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
     assert "GatherGrad" not in ops     # every row gather's gradient is a ScatterND (ORT's CPU kernel is ~100x slower)
     if family in ("gpt2", "gemma3"):   # ORT fused the GELU (Gemma's via export.fusable_gelu); its slow gradient
                                        # kernel was replaced (slow_kernels)
         assert "FastGelu" in ops and "FastGeluGrad" not in ops
     # the norms' gradients were rewritten too (slow_kernels: LayerNorm's and RMSNorm's, dX only)
     assert "LayerNormalizationGrad" not in ops and "SimplifiedLayerNormalizationGrad" not in ops
-    if family == "gpt2":               # its attention's own causal Where is gone (graph_fixes.drop_causal_where):
-        graph = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph   # the grads above
-        assert not [n.name for n in graph.node if n.name.endswith("/attn/Where")]  # with padding still match;
+    if family == "gpt2":   # its attention's own causal Where is gone (graph_fixes.drop_causal_where; the grads above
+                           # with padding still match), and its [1, 1, n, n] bool buffer left the shards
+        assert not [n.name for n in graph.node if n.name.endswith("/attn/Where")]
         bool_4d = [i.name for i in graph.initializer if i.data_type == onnx.TensorProto.BOOL and len(i.dims) == 4]
-        assert not bool_4d                                                         # and its buffer left the shards
+        assert not bool_4d
 
 
 def test_ten_adamw_steps_match_torch(built):
