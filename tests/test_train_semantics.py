@@ -2,6 +2,11 @@
 accumulation over uneven micro-batches, LR schedule, clipping (issue: device training loop)."""
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +18,7 @@ from ort_trainer.schedule import SCHEDULES, lr_at
 from ort_trainer.session import RuntimeOptions, TrainSession
 from ort_trainer.step import train_step
 from tests.bundle_helpers import build_tiny_bundle, peft_reference, random_lora, to_onnx_layout, to_peft_layout
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module", params=["gpt2", "qwen2"])
@@ -100,3 +106,31 @@ def test_schedules_match_transformers(schedule):
         assert lr_at(step, base, warmup, total, schedule) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15)
         opt.step()
         sched.step()
+
+
+def test_sessions_flush_denormals_on_every_thread():
+    """RuntimeOptions' sessions flush denormals to zero (masked attention scores made MLAS's exp produce them,
+    ~7x slower on x86), also on the calling thread, which ORT sets from the first session of a process: hence
+    a fresh process. A product below float32's normal range comes out 0, on the calling thread (a 1-element
+    Mul) and on the pool's (a large one)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        pytest.skip("ORT sets FTZ/DAZ on x86 only")
+    code = textwrap.dedent("""
+        import numpy as np, onnxruntime as ort
+        from onnx import helper, TensorProto
+        from ort_trainer.session import RuntimeOptions
+        vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+        g = helper.make_graph([helper.make_node("Mul", ["a", "b"], ["y"])], "g", [vi("a"), vi("b")], [vi("y")])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]); m.ir_version = 8
+        before = float(np.float32(1e-30) * np.float32(1e-10))   # a denormal, before any session
+        s = ort.InferenceSession(m.SerializeToString(), RuntimeOptions(threads=2).session_options())
+        for n in (1, 1 << 20):
+            a = np.full(n, 1e-30, np.float32); b = np.full(n, 1e-10, np.float32)
+            print(int(np.count_nonzero(s.run(None, {"a": a, "b": b})[0])), before)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(REPO)).stdout.split("\n")
+    for line in filter(None, out):
+        nonzero, numpy_product = line.split()
+        assert float(numpy_product) > 0          # without the flush, the product is a denormal, not 0
+        assert nonzero == "0", line
