@@ -55,7 +55,10 @@ class Packing:
     def to_padded(self, x: torch.Tensor) -> torch.Tensor:
         """[1, heads, T, d] -> [B, heads, L, d], zeros at padding positions. A scatter (ScatterND), so that
         its gradient is a gather (GatherND), not ORT's GatherGrad (see slow_kernels.replace_gather_grad)."""
-        rows = x.flatten(0, 1).transpose(0, 1)          # [T, heads, d] (squeeze(0) would trace to an If)
+        # [T, heads, d]. Transposing back first makes two inverse Transposes in a row (the family's own
+        # [1, T, heads, d] -> [1, heads, T, d] and this one), which ORT cancels; a Reshape between them did
+        # not cancel. (squeeze(0) would trace to an If.)
+        rows = x.transpose(1, 2).flatten(0, 1)
         zeros = rows.new_zeros((self.batch * self.length, rows.shape[1], rows.shape[2]))
         flat = zeros.index_put((self.pack,), rows)                           # [B*L, heads, d]
         return flat.reshape(self.batch, self.length, rows.shape[1], rows.shape[2]).transpose(1, 2)
