@@ -284,6 +284,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     del train_forward.graph.output[:]
     train_forward.graph.output.extend(outputs)
     head_loss.chunk_head_loss(train_forward, head_chunks, head_min_rows, softcap, head_vocab_cols)
+    train_forward = graph_fixes.known_shapes(train_forward)
     log_path = stage / "ort-native.log"   # removed below; on failure with the staging directory
     with _cwd(stage), _native_stderr_to(log_path):   # external data locations are relative to the staging dir
         artifacts.generate_artifacts(

@@ -91,7 +91,11 @@ class CausalLMWithLoss(torch.nn.Module):
         # Padding-free: the body runs on the real tokens only (see packing.py), so the graph computes
         # nothing per token at padding positions. Labels are shifted in the padded layout first.
         pk = self.packing["packing"] = Packing(attention_mask, self.windows)
-        hidden = self.body(input_ids=pk.tokens(input_ids), position_ids=pk.positions, attention_mask=None,
+        # Embeddings go in as inputs_embeds: GPT-2's body views input_ids as (-1, length), and with the -1 the
+        # residual stream's leading 1 became unknown to shape inference, so ORT's gradient of every residual
+        # Add summed over that axis of size 1 (a copy of [1, T, D] per layer).
+        embeds = self.body.get_input_embeddings()(pk.tokens(input_ids))
+        hidden = self.body(inputs_embeds=embeds, position_ids=pk.positions, attention_mask=None,
                            use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1)                                               # [T, H]
         end = torch.full_like(labels[:, :1], IGNORE_INDEX)

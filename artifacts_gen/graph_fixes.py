@@ -286,3 +286,11 @@ def write_initial_lora(model: onnx.ModelProto, train: list[Trainable], initial: 
     for t in train:
         value = initial[t.peft_key].T if t.transposed else initial[t.peft_key]
         inits[t.onnx_name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), t.onnx_name))
+
+
+def known_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every tensor shape that ONNX shape inference finds when it also propagates the values of
+    Shape-computed tensors (data_prop), e.g. through GPT-2's Conv1D view(-1, K) ... view(*rows, N). ORT's
+    gradient builder reads these shapes: where it could not tell that both inputs of a residual Add are
+    [1, T, D], it summed the gradient over the leading axis of size 1 (a [1, T, D] copy per Add)."""
+    return onnx.shape_inference.infer_shapes(model, data_prop=True)
