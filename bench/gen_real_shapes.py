@@ -281,6 +281,10 @@ def machine() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
                platform.processor() or "unknown")
     flags = set(next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), []))
+    # The VM names every Intel host "Intel(R) Xeon(R) Processor"; family/model/stepping tell them apart
+    # (seen here: models 167 and 207, with and without AMX), and runs on different hosts are no before/after.
+    ident = {k: int(v) for k, v in ((ln.split(":", 1)[0].strip(), ln.split(":", 1)[1].strip()) for ln in cpuinfo
+                                    if ":" in ln) if k in ("cpu family", "model", "stepping") and v.isdigit()}
     from importlib import metadata
     versions = {}
     for pkg in ("torch", "transformers", "peft", "onnx", "onnxruntime-training", "onnxruntime-training-cpu", "protobuf"):
@@ -293,7 +297,8 @@ def machine() -> dict:
         "ram_bytes": meminfo.get("MemTotal", 0),
         "swap_bytes": meminfo.get("SwapTotal", 0),
         "cpu_model": cpu,
-        "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+        "cpu_id": "-".join(str(ident[k]) for k in ("cpu family", "model", "stepping") if k in ident),
+        "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags],
         "python": platform.python_version(),
         "kernel": platform.release(),
         "versions": versions,

@@ -1252,7 +1252,8 @@ def render_section(p: dict) -> str:
         *([f"Re-measured afterwards with `{m['command']}` ({m['date']}, {m['wall_seconds'] / 60:.0f} min, load "
            f"{m['load_at_start'][0]:.2f} -> {m['load_at_end'][0]:.2f}): {', '.join(m['replaced'])}; those rows are "
            "from that run." for m in p.get("merges", [])] + [""] if p.get("merges") else []),
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}, "
+        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}" + (f" family-model-stepping {m['cpu_id']}" if m.get("cpu_id") else "")
+        + ", "
         + (("SIMD flags " + ", ".join(m["simd"])) if "simd" in m else "AVX2/FMA, no AVX-512")     # older runs: the AMD host
         + f"), {m['ram_bytes'] / 2**30:.1f} GiB RAM; "
         f"Linux {m['kernel']}, Python {m['python']}, " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
