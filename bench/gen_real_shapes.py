@@ -278,13 +278,15 @@ def _tail(path: Path, n: int = 40) -> str:
 def machine() -> dict:
     meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")),
-               platform.processor() or "unknown")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in cpuinfo if ln.startswith("flags")), []))
-    # The VM names every Intel host "Intel(R) Xeon(R) Processor"; family/model/stepping tell them apart
+
+    def field(key: str) -> str:          # its value on the first processor, "" where absent
+        return next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.split(":", 1)[0].strip() == key), "")
+
+    cpu = field("model name") or platform.processor() or "unknown"
+    flags = set(field("flags").split())
+    # The VM names every Intel host "Intel(R) Xeon(R) Processor"; family-model-stepping tells them apart
     # (seen here: models 167 and 207, with and without AMX), and runs on different hosts are no before/after.
-    ident = {k: int(v) for k, v in ((ln.split(":", 1)[0].strip(), ln.split(":", 1)[1].strip()) for ln in cpuinfo
-                                    if ":" in ln) if k in ("cpu family", "model", "stepping") and v.isdigit()}
+    cpu_id = "-".join(v for v in (field("cpu family"), field("model"), field("stepping")) if v)
     from importlib import metadata
     versions = {}
     for pkg in ("torch", "transformers", "peft", "onnx", "onnxruntime-training", "onnxruntime-training-cpu", "protobuf"):
@@ -297,7 +299,7 @@ def machine() -> dict:
         "ram_bytes": meminfo.get("MemTotal", 0),
         "swap_bytes": meminfo.get("SwapTotal", 0),
         "cpu_model": cpu,
-        "cpu_id": "-".join(str(ident[k]) for k in ("cpu family", "model", "stepping") if k in ident),
+        "cpu_id": cpu_id,
         "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags],
         "python": platform.python_version(),
         "kernel": platform.release(),
