@@ -633,9 +633,9 @@ MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm")
 
 
 def _profile_events(text: str) -> list[dict]:
-    """The events of an ORT profile file, one JSON object per line. The training, eval and optimizer
-    sessions share one SessionOptions, hence one file name; sessions made within the same second write
-    into the same file, the later over the start of the earlier. Lines that do not parse are dropped."""
+    """The events of an ORT profile file, one JSON object per line; lines that do not parse are dropped. (ORT
+    names the file prefix + start second; the worker starts the optimizer session in a later second than the
+    training session, which once overwrote its file, but a killed run still leaves a truncated file.)"""
     out = []
     for line in text.splitlines():
         line = line.strip().lstrip("[").rstrip("]").rstrip(",")
