@@ -23,7 +23,7 @@ from ort_trainer import manifest as mf
 from ort_trainer.bundle import sha256_file
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 
-from . import graph_fixes, head_loss, slow_kernels
+from . import graph_fixes, head_loss, recompute, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
@@ -298,7 +298,9 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     log_path.unlink(missing_ok=True)
     train_path = stage / mf.TRAINING_MODEL
     training = onnx.load(str(train_path), load_external_data=False)
-    if any(slow_kernels.replace_slow_kernels(training).values()):
+    changed = any(slow_kernels.replace_slow_kernels(training).values())
+    changed |= recompute.recompute_activations(training) > 0      # after them: it reads their backward nodes
+    if changed:
         onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
     # What generate_artifacts does to its eval model: trainable initializers become inputs, training mode off.

@@ -257,3 +257,49 @@ def test_mlp_out_targets_only_the_mlp_output_and_grads_match_autograd(family, tm
     assert len(params) == 2 * layers and all(MLP_OUT[family] + ".lora_" in k for k in params)
     assert sorted(t.peft_key for t in man.trainable) == sorted(params)
     assert_lora_grads_match_autograd(ckpt, bundle, ref, seed=4)
+
+
+def test_backward_recomputes_mlp_activations(built, tmp_path):
+    """recompute.py: no backward node reads a kept activation that it could recompute from the kept input, and
+    in ORT's real execution order every recomputation runs in the backward pass: after the last layer's forward
+    activation. (Ungated, a recomputation reads forward tensors only, and ORT may run it right after them.)"""
+    import gc
+
+    import onnxruntime as ort
+
+    from artifacts_gen.recompute import ACTIVATIONS, PREFIX, backward_nodes
+    from ort_trainer.ort_training import CheckpointState, Module
+
+    family, _, bundle = built
+    graph = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph
+    bwd = backward_nodes(graph)
+    readers = {}
+    for i, n in enumerate(graph.node):
+        for x in n.input:
+            readers.setdefault(x, []).append(i)
+    acts = [n for i, n in enumerate(graph.node) if i not in bwd and (n.domain, n.op_type) in ACTIVATIONS]
+    kept = [n.name for n in acts if any(j in bwd for j in readers.get(n.output[0], []))
+            and any(j in bwd for j in readers.get(n.input[0], []))]
+    assert not kept
+    again = [n.name for n in graph.node if n.name.startswith(PREFIX) and (n.domain, n.op_type) in ACTIVATIONS]
+    # Qwen2's and Gemma3's gated MLPs keep act(g) for dm * act(g); GPT-2's MLP reads its GELU forward only
+    assert len(again) == (0 if family == "gpt2" else bundle.manifest.model.num_layers)
+    if not again:
+        return
+
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof")
+    module = Module(str(bundle.file(mf.TRAINING_MODEL)), CheckpointState.load_checkpoint(str(bundle.file(mf.CHECKPOINT))),
+                    None, "cpu", so)
+    module.train()
+    batch = sample_batch(bundle.manifest.model.vocab_size, 2, 40)
+    module(batch["input_ids"], batch["attention_mask"], batch["labels"], np.asarray(0.01, dtype=np.float32))
+    del module
+    gc.collect()
+    import json
+    events = json.loads(next(tmp_path.glob("prof*.json")).read_text())
+    order = [e["name"][: -len("_kernel_time")] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    at = {name: k for k, name in enumerate(order)}
+    last_forward = max(at[n.name] for n in acts)
+    assert all(at[name] > last_forward for name in again), [(name, at[name], last_forward) for name in again]
