@@ -9,6 +9,11 @@ waste: 21% of the positions of an Alpaca micro-batch of 8 at L = 128. The traced
     q, k, v [1, heads, T, d] --ScatterND(pack)--> [B, heads, L, d] --the family's own eager attention,
     causal + key-padding (+ sliding-window) mask [B, 1, L, L]--> [B, L, heads, d] --Gather(pack)--> [1, T, heads, d]
 
+With grouped-query attention (Qwen2.5-0.5B: 14 query heads on 2 key/value heads; Gemma3-270M: 4 on 1), the
+query heads that share a key/value head are stacked along the rows, [B, kv_heads, rep * L, d], instead of
+copying each key and value rep times (HF's repeat_kv): ORT kept those copies for the backward pass. Micro-batch 8,
+WikiText LM: peak RSS Qwen2.5 3,983 -> 3,828 MiB, Gemma3 2,404 -> 2,216 MiB; the same losses and step times.
+
 `pack` [T] holds the flat padded index of each real token (row-major, so the labelled positions keep
 their order; NonZero's output, so no index repeats). q, k, v are scattered to the padded layout with
 zeros at padding positions: those keys are masked (exp(min - max) is exactly 0, and so is their
@@ -44,9 +49,18 @@ class Packing:
         causal = torch.logical_and((k <= q).unsqueeze(0).unsqueeze(0), (attention_mask != 0).unsqueeze(1).unsqueeze(1))
         zero, low = torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype)
         self.masks = {}
+        self._grouped = {}
         for w in windows:
             allowed = causal if not w else torch.logical_and(causal, (q - k < w).unsqueeze(0).unsqueeze(0))
             self.masks[w] = torch.where(allowed, zero, low)
+
+    def grouped_mask(self, mask: torch.Tensor, rep: int) -> torch.Tensor:
+        """[B, 1, L, L] -> [B, 1, rep * L, L], for query rows r * L + i (see _packed_attention); built once per
+        micro-batch and mask."""
+        key = (id(mask), rep)
+        if key not in self._grouped:
+            self._grouped[key] = mask.repeat(1, 1, rep, 1)
+        return self._grouped[key]
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[B, L, ...] -> [1, T, ...]: the real tokens, in row-major order."""
@@ -77,8 +91,26 @@ def _packed_attention(eager, state: dict):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         pk: Packing = state["packing"]
         mask = pk.masks[attention_window(module)]
-        out, weights = eager(module, pk.to_padded(query), pk.to_padded(key), pk.to_padded(value), mask, *args, **kwargs)
-        return pk.tokens(out), weights      # [B, L, heads, d] -> [1, T, heads, d]
+        rep = getattr(module, "num_key_value_groups", 1)
+        q, k, v = pk.to_padded(query), pk.to_padded(key), pk.to_padded(value)
+        if rep == 1:
+            out, weights = eager(module, q, k, v, mask, *args, **kwargs)
+            return pk.tokens(out), weights      # [B, L, heads, d] -> [1, T, heads, d]
+        # Grouped-query attention without repeat_kv: the rep query heads that share a key/value head are
+        # stacked along the rows, [B, kv_heads, rep * L, d], so each shared head is read by one larger matmul
+        # and never copied rep times (ORT kept both copies, [B, heads, L, d] each, for the backward pass).
+        # The eager function sees an attention with one query head per key/value head.
+        b, kvh, length, d = k.shape
+        qg = q.reshape(b, kvh, rep * length, d)                   # head kvh * rep + r -> group kvh, rows r * L + i
+        module.num_key_value_groups = 1
+        try:
+            out, weights = eager(module, qg, k, v, pk.grouped_mask(mask, rep), *args, **kwargs)
+        finally:
+            module.num_key_value_groups = rep
+        # eager ends in transpose(1, 2); undoing it first makes two inverse Transposes in a row, which ORT
+        # cancels, and one Transpose puts the rows back to [B, L, heads, d]
+        out = out.transpose(1, 2).reshape(b, kvh, rep, length, d).permute(0, 3, 1, 2, 4).reshape(b, length, kvh * rep, d)
+        return pk.tokens(out), weights
     return attention
 
 
