@@ -35,18 +35,24 @@ ACTIVATIONS = {("com.microsoft", "QuickGelu"), ("com.microsoft", "FastGelu"), ("
                ("", "Sigmoid"), ("", "Tanh"), ("", "Relu")}
 
 
-def backward_nodes(g: onnx.GraphProto) -> set[int]:
-    """Indices of the gradient graph's nodes: those ORT's gradient builder names *_Grad/* or whose outputs are
-    *_grad tensors, and everything downstream of them (rewrites such as slow_kernels' add unnamed nodes)."""
-    consumers = defaultdict(list)
+def readers(g: onnx.GraphProto) -> defaultdict[str, list[int]]:
+    """Tensor name -> indices of the nodes that read it."""
+    out = defaultdict(list)
     for i, n in enumerate(g.node):
         for x in n.input:
-            consumers[x].append(i)
+            out[x].append(i)
+    return out
+
+
+def backward_nodes(g: onnx.GraphProto, read_by: dict[str, list[int]] | None = None) -> set[int]:
+    """Indices of the gradient graph's nodes: those ORT's gradient builder names *_Grad/* or whose outputs are
+    *_grad tensors, and everything downstream of them (rewrites such as slow_kernels' add unnamed nodes)."""
+    read_by = read_by if read_by is not None else readers(g)
     bwd = {i for i, n in enumerate(g.node) if "_Grad/" in n.name or any("_grad" in o for o in n.output)}
     stack = list(bwd)
     while stack:
         for o in g.node[stack.pop()].output:
-            for j in consumers[o]:
+            for j in read_by[o]:
                 if j not in bwd:
                     bwd.add(j)
                     stack.append(j)
@@ -57,12 +63,9 @@ def recompute_activations(model: onnx.ModelProto) -> int:
     """In place; returns how many activations the backward pass no longer reads from the forward pass (those
     read only by Shape nodes need no recomputation: they read x's shape instead)."""
     g = model.graph
-    bwd = backward_nodes(g)
+    read_by = readers(g)
+    bwd = backward_nodes(g, read_by)
     produced_by = {o: i for i, n in enumerate(g.node) for o in n.output}
-    readers = defaultdict(list)
-    for i, n in enumerate(g.node):
-        for x in n.input:
-            readers[x].append(i)
     graph_outputs = {o.name for o in g.output}
 
     inserts: dict[int, list[onnx.NodeProto]] = defaultdict(list)   # reader index -> nodes to run before it
@@ -71,8 +74,8 @@ def recompute_activations(model: onnx.ModelProto) -> int:
         if i in bwd or (act.domain, act.op_type) not in ACTIVATIONS or len(act.input) != 1:
             continue
         x, a = act.input[0], act.output[0]
-        late = [j for j in readers[a] if j in bwd]
-        if not late or a in graph_outputs or not any(j in bwd for j in readers[x]):
+        late = [j for j in read_by[a] if j in bwd]
+        if not late or a in graph_outputs or not any(j in bwd for j in read_by[x]):
             continue            # nothing keeps a for the backward pass, or x is not kept anyway
         shapes = [j for j in late if g.node[j].op_type == "Shape"]      # Shape(act(x)) is Shape(x)
         gates = {j: next((d for d in g.node[j].input if d in produced_by and produced_by[d] in bwd), None)

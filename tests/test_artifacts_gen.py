@@ -277,19 +277,15 @@ def test_backward_recomputes_mlp_activations(built, tmp_path):
 
     import onnxruntime as ort
 
-    from artifacts_gen.recompute import ACTIVATIONS, PREFIX, backward_nodes
+    from artifacts_gen.recompute import ACTIVATIONS, PREFIX, backward_nodes, readers
     from ort_trainer.ort_training import CheckpointState, Module
 
     family, _, bundle = built
     graph = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph
-    bwd = backward_nodes(graph)
-    readers = {}
-    for i, n in enumerate(graph.node):
-        for x in n.input:
-            readers.setdefault(x, []).append(i)
+    read_by = readers(graph)
+    bwd = backward_nodes(graph, read_by)
     acts = [n for i, n in enumerate(graph.node) if i not in bwd and (n.domain, n.op_type) in ACTIVATIONS]
-    kept = [n.name for n in acts if any(j in bwd for j in readers.get(n.output[0], []))
-            and any(j in bwd for j in readers.get(n.input[0], []))]
+    kept = [n.name for n in acts if any(j in bwd for j in read_by[n.output[0]]) and any(j in bwd for j in read_by[n.input[0]])]
     assert not kept
     again = [n.name for n in graph.node if n.name.startswith(PREFIX) and (n.domain, n.op_type) in ACTIVATIONS]
     # Qwen2's and Gemma3's gated MLPs keep act(g) for dm * act(g); GPT-2's MLP reads its GELU forward only
