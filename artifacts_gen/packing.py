@@ -54,13 +54,14 @@ class Packing:
             allowed = causal if not w else torch.logical_and(causal, (q - k < w).unsqueeze(0).unsqueeze(0))
             self.masks[w] = torch.where(allowed, zero, low)
 
-    def grouped_mask(self, mask: torch.Tensor, rep: int) -> torch.Tensor:
-        """[B, 1, L, L] -> [B, 1, rep * L, L], for query rows r * L + i (see _packed_attention); built once per
-        micro-batch and mask."""
-        key = (id(mask), rep)
-        if key not in self._grouped:
-            self._grouped[key] = mask.repeat(1, 1, rep, 1)
-        return self._grouped[key]
+    def mask(self, window: int | None, rep: int = 1) -> torch.Tensor:
+        """The window's [B, 1, L, L] mask; for rep > 1 query heads per key/value head, [B, 1, rep * L, L], for the
+        query rows r * L + i of _packed_attention (built once per micro-batch, window and rep)."""
+        if rep == 1:
+            return self.masks[window]
+        if (window, rep) not in self._grouped:
+            self._grouped[window, rep] = self.masks[window].repeat(1, 1, rep, 1)
+        return self._grouped[window, rep]
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """[B, L, ...] -> [1, T, ...]: the real tokens, in row-major order."""
@@ -90,11 +91,10 @@ def attention_windows(model) -> set:
 def _packed_attention(eager, state: dict):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         pk: Packing = state["packing"]
-        mask = pk.masks[attention_window(module)]
-        rep = getattr(module, "num_key_value_groups", 1)
+        window, rep = attention_window(module), getattr(module, "num_key_value_groups", 1)
         q, k, v = pk.to_padded(query), pk.to_padded(key), pk.to_padded(value)
         if rep == 1:
-            out, weights = eager(module, q, k, v, mask, *args, **kwargs)
+            out, weights = eager(module, q, k, v, pk.mask(window), *args, **kwargs)
             return pk.tokens(out), weights      # [B, L, heads, d] -> [1, T, heads, d]
         # Grouped-query attention without repeat_kv: the rep query heads that share a key/value head are
         # stacked along the rows, [B, kv_heads, rep * L, d], so each shared head is read by one larger matmul
@@ -104,7 +104,7 @@ def _packed_attention(eager, state: dict):
         qg = q.reshape(b, kvh, rep * length, d)                   # head kvh * rep + r -> group kvh, rows r * L + i
         module.num_key_value_groups = 1
         try:
-            out, weights = eager(module, qg, k, v, pk.grouped_mask(mask, rep), *args, **kwargs)
+            out, weights = eager(module, qg, k, v, pk.mask(window, rep), *args, **kwargs)
         finally:
             module.num_key_value_groups = rep
         # eager ends in transpose(1, 2); undoing it first makes two inverse Transposes in a row, which ORT
