@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import sys
@@ -30,13 +29,14 @@ sys.path.insert(0, str(REPO))
 from ort_trainer import manifest as mf  # noqa: E402
 from ort_trainer.ort_training import CheckpointState, Module  # noqa: E402
 from ort_trainer.session import RuntimeOptions  # noqa: E402
+from train_throughput import _profile_events, kernel_events  # noqa: E402  (bench/ is on sys.path: run as a script)
 
 ALIASES = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 BYTES = {"float": 4, "int64": 8, "int32": 4, "bool": 1, "float16": 2, "double": 8}
 
 
 def profile_step(bundle: Path, micro: int, workload: str, work: Path, seq: int = 128) -> tuple[list, onnx.GraphProto]:
-    """Run one step; -> (the profile's node events in execution order, the graph ORT optimized)."""
+    """Run one step; -> ((node name, kernel event) in execution order, the graph ORT optimized)."""
     # Every node needs a name: the profile names events by node name, and some rewrites leave names empty.
     model = onnx.load(str(bundle / mf.TRAINING_MODEL), load_external_data=False)
     for k, n in enumerate(model.graph.node):
@@ -60,17 +60,16 @@ def profile_step(bundle: Path, micro: int, workload: str, work: Path, seq: int =
         labels[:, :60] = labels[:, 100:] = -100
     module(ids, mask, labels, np.asarray(1.0 / micro, np.float32))
     del module                      # writes the profile
-    events = json.loads(next(work.glob("profile*.json")).read_text())
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    return nodes, onnx.load(str(work / "optimized.onnx"), load_external_data=False).graph
+    events = kernel_events(_profile_events(next(work.glob("profile*.json")).read_text()))
+    return events, onnx.load(str(work / "optimized.onnx"), load_external_data=False).graph
 
 
 def replay(events: list, graph: onnx.GraphProto) -> dict:
     nodes = {n.name: n for n in graph.node}
-    order = [e["name"][: -len("_kernel_time")] for e in events]
+    order = [name for name, _ in events]
     size = {}
-    for e in events:
-        node = nodes.get(e["name"][: -len("_kernel_time")])
+    for name, e in events:
+        node = nodes.get(name)
         for out, shape in zip(node.output if node else [], e["args"].get("output_type_shape", [])):
             (dtype, dims), = shape.items()
             size[out] = int(np.prod(dims, dtype=np.int64)) * BYTES.get(dtype, 4)

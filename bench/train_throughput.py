@@ -647,11 +647,17 @@ def _profile_events(text: str) -> list[dict]:
     return out
 
 
+def kernel_events(events: list[dict]) -> list[tuple[str, dict]]:
+    """(node name, event) of every node's kernel run in a profile, in the order ORT ran them."""
+    suffix = "_kernel_time"
+    return [(e["name"][: -len(suffix)], e) for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
+
+
 def summarize_profile(files: list[Path], step_runs: int) -> dict:
     """ORT profiler output -> kernel time of the last optimizer step (its last `step_runs` model runs of
     the training session) by op type and by node, plus the largest node outputs."""
     events = [e for f in files for e in _profile_events(f.read_text())]
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    nodes = [e for _, e in kernel_events(events)]
     matmul_ts = sorted(e["ts"] for e in nodes if e["args"].get("op_name") in MATMUL_OPS)
 
     def training(run: dict) -> bool:      # the optimizer session's runs have no matmul
