@@ -60,6 +60,7 @@ def _train(args) -> None:
         micro_batch=args.micro_batch, accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
         clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
         group_by_length=args.group_by_length, save_every=args.save_every, battery=args.battery, gate=asdict(gate), threads=args.threads, memory=args.memory,
+        memory_budget=args.memory_budget,
     )
     train(cfg, args.out)
 
@@ -97,6 +98,10 @@ def _add_train(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT default)")
     p.add_argument("--memory", default="normal", choices=["normal", "low"],
                    help="low: frozen weights stay memory-mapped (no prepacked copies)")
+    p.add_argument("--memory-budget", default=None, metavar="MIB|auto",
+                   help="split the effective batch (micro-batch x accum) by measuring: the largest micro-batch whose "
+                        "peak RSS fits this many MiB (or 2.8G; auto: 80%% of MemAvailable + own RSS, or of the "
+                        "cgroup limit). Two worst-case passes at start; a resumed run keeps its first split")
     p.set_defaults(func=_train)
 
 

@@ -24,6 +24,7 @@ from ort_trainer.session import RuntimeOptions, TrainSession
 from ort_trainer.step import train_step
 
 from .gate import GateConfig, GateState, GateTracker
+from .memory_fit import MemoryBudgetError, fit_session, parse_budget
 from .metrics import EnergyMeter, MetricsLog, peak_rss_mb, rss_mb
 from .probes import SafeProbe, make_probe
 
@@ -57,6 +58,7 @@ class RunConfig:
     gate: dict = field(default_factory=lambda: asdict(GateConfig()))
     threads: int = 0
     memory: str = "normal"
+    memory_budget: str | None = None   # MiB or "auto": split the effective batch by measuring (memory_fit.py)
 
     FIXED = ("bundle", "data", "epochs", "max_steps", "micro_batch", "accum", "lr", "warmup", "schedule",
              "clip", "weight_decay", "seed", "group_by_length")
@@ -71,17 +73,19 @@ class RunConfig:
             raise RunError(f"--schedule {self.schedule}: use one of {', '.join(SCHEDULES)}")
         if self.lr <= 0:
             raise RunError("--lr must be > 0")
+        if self.memory_budget is not None:
+            parse_budget(self.memory_budget)
         GateConfig(**self.gate).validate()
 
 
 def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
-    """First start: record the config. Later: the recorded training settings win; conflicts are errors."""
+    """A resumed run's recorded training settings win; conflicts are errors. (True if resuming.)"""
     path = run_dir / RUN_CONFIG
     if not path.exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(cfg), indent=1))
         return cfg, False
     saved = json.loads(path.read_text())
+    if cfg.memory_budget is not None and saved["micro_batch"] * saved["accum"] == cfg.micro_batch * cfg.accum:
+        cfg.micro_batch, cfg.accum = saved["micro_batch"], saved["accum"]   # the split measured at the first start
     for name in RunConfig.FIXED:   # a setting added later is absent from older runs: its default applies
         if getattr(cfg, name) != saved.get(name, getattr(RunConfig, name, None)):
             raise RunError(
@@ -89,6 +93,12 @@ def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
                 f"To resume, repeat the original settings; to change them, train into a new --out."
             )
     return cfg, True
+
+
+def _record_config(run_dir: Path, cfg: RunConfig) -> None:
+    tmp = run_dir / (RUN_CONFIG + ".tmp")
+    tmp.write_text(json.dumps(asdict(cfg), indent=1))
+    tmp.replace(run_dir / RUN_CONFIG)
 
 
 class StopFlag:
@@ -117,6 +127,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     run_dir = Path(run_dir)
     cfg.validate()
     cfg, resuming = _settle_config(run_dir, cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bundle, data, session ---------------------------------------------------------------
     bundle = open_bundle(cfg.bundle, verify="sizes" if resuming else "hashes")
@@ -127,21 +138,33 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     del tok          # only the data needed it: its memory goes back before the session allocates
     trim_heap()
     log(report.summary())
+    found = checkpoint.latest(run_dir, warn=log) if resuming else None
+    adamw = AdamWSpec(**{**man.optimizer, "clip": cfg.clip, "weight_decay": cfg.weight_decay})
+    session = TrainSession(bundle, found[0] / checkpoint.ORT_FILE if found else None, adamw,
+                           RuntimeOptions(cfg.threads, cfg.memory), work_dir=run_dir)
+    fit = None
+    if cfg.memory_budget is not None and not resuming:
+        try:
+            fit = fit_session(session, man.seq_len, cfg.micro_batch * cfg.accum, parse_budget(cfg.memory_budget),
+                              rss_mb(), log)
+        except MemoryBudgetError as e:
+            raise RunError(str(e)) from None
+        cfg.micro_batch, cfg.accum = fit.micro_batch, fit.accum
+    elif cfg.memory_budget is not None:
+        log(f"--memory-budget: keeping the split measured at the first start, {cfg.micro_batch} x {cfg.accum}")
+    if not resuming:
+        _record_config(run_dir, cfg)
+
     order = DataOrder(len(examples), cfg.seed, cfg.micro_batch,
                       lengths=[len(e.input_ids) for e in examples] if cfg.group_by_length else None)
     steps_per_epoch = max(1, order.steps_per_epoch() // cfg.accum)
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
-
-    found = checkpoint.latest(run_dir, warn=log)
     step = 0
     if found:
         path, state = found
         step = state["step"]
         order.load_state_dict(state["data"])
         log(f"resuming {run_dir} at step {step}/{total} from {path.name}")
-    adamw = AdamWSpec(**{**man.optimizer, "clip": cfg.clip, "weight_decay": cfg.weight_decay})
-    session = TrainSession(bundle, found[0] / checkpoint.ORT_FILE if found else None, adamw,
-                           RuntimeOptions(cfg.threads, cfg.memory), work_dir=run_dir)
     metrics = MetricsLog(run_dir / METRICS, keep_through_step=step)
 
     # -- gate and signals ----------------------------------------------------------------------
@@ -212,7 +235,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
         "stopped_by": stop.signal_name, "step": step, "total_steps": total,
         "wall_s": round(wall, 2), "tokens_this_session": tokens_total,
         "tokens_per_s": round(tokens_total / wall, 1) if wall > 0 else None,
-        "peak_rss_mb": round(peak_rss_mb(), 1), "gate": tracker.summary(), **energy.summary(wall),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "memory_fit": fit.to_dict() if fit else None, "gate": tracker.summary(), **energy.summary(wall),
         "data_report": asdict(report),
     }
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1, default=str))

@@ -38,6 +38,17 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux, Android: '5' > /proc/self/clear_refs), so that the next
+    peak_rss_mb() is the peak since now. False where unsupported (the peak then stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class MetricsLog:
     """RUN/metrics.jsonl. On resume, lines past the checkpoint's step are dropped: those steps run again."""
 

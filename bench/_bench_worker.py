@@ -41,15 +41,6 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux: '5' > /proc/self/clear_refs); harmless where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def _log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -192,6 +183,7 @@ def run_ort(spec: dict) -> dict:
     from ort_trainer.memory import trim_heap
     from ort_trainer.session import RuntimeOptions, TrainSession
     from ort_trainer.step import train_step
+    from android_runner.metrics import reset_peak_rss
 
     rss = {"start": _status()}
     bundle = open_bundle(spec["bundle"], verify="sizes")
@@ -236,7 +228,7 @@ def run_ort(spec: dict) -> dict:
     for ph in spec["phases"]:                         # the pilot and lockstep runs have several
         session.set_lora(initial)                     # every phase starts from the bundle's LoRA (B = 0); AdamW's
                                                       # moments carry over (timing and step-1 loss need only weights)
-        _reset_peak()                                 # so each phase's VmHWM is its own (the first is clean)
+        reset_peak_rss()                              # so each phase's VmHWM is its own (the first is clean)
         examples, report = _examples(spec, ph, None, bundle.manifest.seq_len, data_cache)   # cached above
         gen = _batches(spec, pad_id, examples, ph["micro"], ph["accum"])
         steps = []
@@ -282,6 +274,7 @@ def run_torch(spec: dict) -> dict:
     from eval.reference import TrainConfig, make_peft_model, reference_train
     from ort_trainer.data import TextTokenizer
     from ort_trainer.memory import trim_heap
+    from android_runner.metrics import reset_peak_rss
 
     rss = {"start": _status()}
     man = json.loads((Path(spec["bundle"]) / "manifest.json").read_text())
@@ -309,7 +302,7 @@ def run_torch(spec: dict) -> dict:
             for n, p in peft_model.named_parameters():
                 if n in initial:
                     p.copy_(initial[n])
-        _reset_peak()
+        reset_peak_rss()
         examples, report = _examples(spec, ph, None, man["seq_len"], data_cache)     # cached above
         total = ph["warmup"] + ph["steps"]
         gen = _batches(spec, pad_id, examples, ph["micro"], ph["accum"])

@@ -1,0 +1,175 @@
+"""Choose the micro-batch from a memory budget, by measuring this device.
+
+The effective batch (micro-batch x accumulation) defines the training; how it is split only decides
+speed and memory. Larger micro-batches run larger matmuls (faster) but keep more activations for the
+backward pass. Peak RSS grows linearly with the sequences of a micro-batch (bench, all three real
+shapes: e.g. Qwen2.5-0.5B 2,293 / 2,515 / 2,963 / 3,829 MiB at 1 / 2 / 4 / 8 sequences, +~110 MiB
+each), so two measured forward/backward passes predict the rest:
+
+1. run a worst-case micro-batch of 1, then of 2 sequences (every position a real, labelled token,
+   at the bundle's seq-len), each time from a reset peak (VmHWM); gradients are dropped after each,
+   so the model is untouched;
+2. peak(m) = peak(1) + (m - 1) * (peak(2) - peak(1)); pick the largest m that divides the effective
+   batch and whose prediction fits the budget;
+3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget.
+
+The measurement is this device's own: its ORT build, its allocator, its page size. The budget counts
+all of RSS, the memory-mapped weights included, so it is an upper bound of what the kernel needs to
+keep resident (under pressure it may drop clean weight pages and read them again).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .metrics import peak_rss_mb, reset_peak_rss
+
+AUTO = "auto"
+AUTO_FRACTION = 0.8    # `auto`: this share of what the system can still give (MemAvailable + own RSS, or a cgroup limit)
+
+
+class MemoryBudgetError(ValueError):
+    pass
+
+
+def parse_budget(text: str) -> str | float:
+    """'auto', or a size in MiB: '2800', '2800M', '2.8G' (G = GiB)."""
+    t = str(text).strip()
+    if t.lower() == AUTO:
+        return AUTO
+    scale = 1.0
+    if t[-1:].upper() in ("M", "G"):
+        scale = 1024.0 if t[-1].upper() == "G" else 1.0
+        t = t[:-1]
+    try:
+        mb = float(t) * scale
+    except ValueError:
+        raise MemoryBudgetError(f"--memory-budget {text!r}: give MiB (2800), a size (2800M, 2.8G) or auto") from None
+    if mb <= 0:
+        raise MemoryBudgetError(f"--memory-budget {text!r} must be > 0")
+    return mb
+
+
+def _meminfo_mb(key: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_limit_mb() -> float | None:
+    """The memory limit of this process's cgroup (v2 memory.max or v1 memory.limit_in_bytes), if any."""
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for c in candidates:
+            try:
+                raw = open(c).read().strip()
+            except OSError:
+                continue
+            if raw != "max" and int(raw) < 2**60:
+                limits.append(int(raw) / 2**20)
+    return min(limits) if limits else None
+
+
+def auto_budget_mb(own_rss_mb: float) -> tuple[float, str]:
+    """AUTO_FRACTION of what this process can grow to, and where that figure came from."""
+    available = _meminfo_mb("MemAvailable")
+    room, why = (available + own_rss_mb, "MemAvailable + own RSS") if available is not None else (None, "")
+    limit = _cgroup_limit_mb()
+    if limit is not None and (room is None or limit < room):
+        room, why = limit, "cgroup memory limit"
+    if room is None:
+        raise MemoryBudgetError("--memory-budget auto: /proc/meminfo is not readable here; give the budget in MiB")
+    return AUTO_FRACTION * room, f"{AUTO_FRACTION:.0%} of {why} ({room:,.0f} MiB)"
+
+
+def worst_case_batch(micro: int, seq_len: int) -> dict[str, np.ndarray]:
+    """`micro` sequences of `seq_len` real tokens, every one labelled: the most a micro-batch can hold.
+    Token values do not change memory; 0 is a valid id in every vocabulary."""
+    ids = np.zeros((micro, seq_len), dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
+
+
+def measure_peak_mb(session, micro: int, seq_len: int) -> float:
+    """Peak RSS of one forward/backward pass at `micro` worst-case sequences; the gradients are dropped."""
+    reset_peak_rss()
+    session.forward_backward(worst_case_batch(micro, seq_len), 1.0 / (micro * seq_len))
+    session.drop_grads()
+    return peak_rss_mb()
+
+
+@dataclass
+class MemoryFit:
+    budget_mb: float
+    budget_source: str
+    effective_batch: int
+    micro_batch: int
+    accum: int
+    measured_mb: dict = field(default_factory=dict)     # micro-batch -> measured peak MiB
+    per_sequence_mb: float = 0.0
+    predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> predicted peak MiB
+
+    def summary(self) -> str:
+        meas = ", ".join(f"{m}: {v:,.0f}" for m, v in sorted(self.measured_mb.items()))
+        return (f"memory budget {self.budget_mb:,.0f} MiB ({self.budget_source}): measured peak MiB at micro-batch "
+                f"{meas}; +{self.per_sequence_mb:,.0f} MiB per sequence -> micro-batch {self.micro_batch} x accum "
+                f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_source: str = "given") -> MemoryFit:
+    """`measure(m)` -> peak MiB of a worst-case micro-batch of m sequences. Candidates are the divisors of
+    `effective_batch`; they are measured in increasing order, so a device never runs more than is
+    predicted to fit."""
+    candidates = [m for m in range(1, effective_batch + 1) if effective_batch % m == 0]
+    measured = {1: measure(1)}
+    if measured[1] > budget_mb:
+        raise MemoryBudgetError(
+            f"even micro-batch 1 needs {measured[1]:,.0f} MiB, over the {budget_mb:,.0f} MiB budget. Raise "
+            f"--memory-budget, use --memory low (weights stay file-backed), or build the bundle with a shorter "
+            f"--seq-len.")
+    if effective_batch > 1 and candidates[1] == 2:
+        measured[2] = measure(2)
+    slope = max(0.0, measured.get(2, measured[1]) - measured[1])
+    predicted = {m: measured.get(m, measured[1] + (m - 1) * slope) for m in candidates}
+    fitting = [m for m in candidates if predicted[m] <= budget_mb]
+    while True:
+        chosen = fitting[-1]
+        if chosen in measured:
+            break
+        measured[chosen] = predicted[chosen] = measure(chosen)
+        if measured[chosen] <= budget_mb:
+            break
+        fitting.pop()
+    return MemoryFit(budget_mb, budget_source, effective_batch, chosen, effective_batch // chosen,
+                     measured, slope, predicted)
+
+
+def fit_session(session, seq_len: int, effective_batch: int, budget, own_rss_mb: float, log=print) -> MemoryFit:
+    """Measure `session` (a TrainSession) and choose its micro-batch under `budget` (MiB or AUTO)."""
+    if budget == AUTO:
+        budget_mb, source = auto_budget_mb(own_rss_mb)
+    else:
+        budget_mb, source = float(budget), "given"
+    log(f"measuring memory per micro-batch (worst case: {seq_len} labelled tokens per sequence)")
+    fit = choose_micro_batch(lambda m: measure_peak_mb(session, m, seq_len), effective_batch, budget_mb, source)
+    log(fit.summary())
+    return fit

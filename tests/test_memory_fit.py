@@ -1,0 +1,125 @@
+"""Choosing the micro-batch from a memory budget (android_runner/memory_fit.py)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from android_runner.loop import RunConfig, RunError, train
+from android_runner.memory_fit import MemoryBudgetError, choose_micro_batch, parse_budget, worst_case_batch
+from android_runner.metrics import peak_rss_mb, reset_peak_rss
+from ort_trainer import checkpoint
+from ort_trainer.bundle import open_bundle
+from ort_trainer.export import load_lora
+from tests.bundle_helpers import build_tiny_bundle
+
+
+class Device:
+    """A fake device: peak MiB of a micro-batch of m sequences; records what it was asked to run."""
+
+    def __init__(self, peak):
+        self.peak, self.ran = peak, []
+
+    def __call__(self, m):
+        self.ran.append(m)
+        return self.peak(m)
+
+
+def test_largest_fitting_split_is_chosen_and_nothing_larger_is_run():
+    dev = Device(lambda m: 1000 + 100 * m)
+    fit = choose_micro_batch(dev, 8, budget_mb=1450)
+    assert (fit.micro_batch, fit.accum) == (4, 2)
+    assert fit.per_sequence_mb == 100 and fit.predicted_mb[8] == 1800
+    assert dev.ran == [1, 2, 4]                    # 8 was predicted over budget: never run
+    assert choose_micro_batch(Device(lambda m: 1000 + 100 * m), 8, budget_mb=10_000).micro_batch == 8
+    assert choose_micro_batch(Device(lambda m: 1000 + 100 * m), 8, budget_mb=1250).micro_batch == 2
+    assert choose_micro_batch(Device(lambda m: 1000 + 100 * m), 6, budget_mb=1350).micro_batch == 3
+
+
+def test_a_split_measured_over_budget_steps_down():
+    dev = Device(lambda m: 1000 + 100 * m + (300 if m >= 4 else 0))   # grows faster than the first two predict
+    fit = choose_micro_batch(dev, 8, budget_mb=1450)
+    assert fit.micro_batch == 2 and dev.ran == [1, 2, 4]
+    assert fit.measured_mb[4] == 1700
+
+
+def test_a_budget_below_one_sequence_is_a_clear_error():
+    with pytest.raises(MemoryBudgetError, match="micro-batch 1 needs 1,100 MiB.*--memory low"):
+        choose_micro_batch(Device(lambda m: 1000 + 100 * m), 8, budget_mb=900)
+
+
+def test_budget_parsing():
+    assert parse_budget("2800") == 2800 and parse_budget("2800M") == 2800 and parse_budget("2.5G") == 2560
+    assert parse_budget("auto") == "auto"
+    for bad in ("lots", "-1", "0"):
+        with pytest.raises(MemoryBudgetError, match="--memory-budget"):
+            parse_budget(bad)
+
+
+def test_peak_reset_measures_a_later_smaller_peak():
+    """The calibration relies on VmHWM being resettable: a big allocation, freed, then a small one."""
+    big = np.ones(200 * 2**20 // 8)
+    del big
+    assert reset_peak_rss(), "clear_refs is not writable here"
+    before = peak_rss_mb()
+    small = np.ones(20 * 2**20 // 8)
+    assert peak_rss_mb() - before < 100, "the peak still holds the freed 200 MiB"
+    del small
+
+
+def test_worst_case_batch_is_full_and_labelled():
+    b = worst_case_batch(3, 16)
+    assert b["input_ids"].shape == (3, 16) and b["attention_mask"].all() and (b["labels"] != -100).all()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, shared_data):
+    root = tmp_path_factory.mktemp("fit")
+    _, bundle = build_tiny_bundle("gpt2", root)
+    data = root / "train.txt"
+    data.write_text("\n".join((shared_data / "wikitext2" / "valid.txt").read_text().splitlines()[:120]))
+    return bundle, data, root
+
+
+def _cfg(bundle, data, **kw) -> RunConfig:
+    base = dict(bundle=str(bundle), data=str(data), max_steps=6, micro_batch=1, accum=4, lr=5e-3, warmup=2,
+                save_every=3, battery="none", threads=1)
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def _lora(run, bundle):
+    path, state = checkpoint.latest(run)
+    return state["step"], load_lora(path / checkpoint.ORT_FILE, open_bundle(bundle, verify="none").manifest)
+
+
+def test_measuring_leaves_the_training_untouched_and_resume_keeps_the_split(tiny):
+    """A run that measured its split trains exactly as a run given that split: the worst-case passes
+    changed no weight, gradient or optimizer moment."""
+    bundle, data, root = tiny
+    logs = []
+    s = train(_cfg(bundle, data, memory_budget="100G"), root / "fit", log=logs.append)
+    assert s["finished"] and s["memory_fit"]["micro_batch"] == 4 and s["memory_fit"]["accum"] == 1
+    assert sorted(s["memory_fit"]["measured_mb"]) == [1, 2, 4]
+    assert any("micro-batch 4 x accum 1" in line for line in logs)
+    saved = json.loads((root / "fit" / "run.json").read_text())
+    assert (saved["micro_batch"], saved["accum"]) == (4, 1)
+
+    train(_cfg(bundle, data, micro_batch=4, accum=1), root / "given", log=lambda *_: None)
+    step_a, a = _lora(root / "fit", bundle)
+    step_b, b = _lora(root / "given", bundle)
+    assert step_a == step_b == 6
+    for name in b:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+    logs.clear()                                   # resume with a larger max: the first split stays
+    s2 = train(_cfg(bundle, data, memory_budget="1M"), root / "fit", log=logs.append)
+    assert s2["memory_fit"] is None and any("keeping the split measured at the first start, 4 x 1" in x for x in logs)
+
+
+def test_a_budget_too_small_fails_before_anything_is_recorded(tiny):
+    bundle, data, root = tiny
+    with pytest.raises(RunError, match="even micro-batch 1 needs"):
+        train(_cfg(bundle, data, memory_budget="1"), root / "small", log=lambda *_: None)
+    assert not (root / "small" / "run.json").exists() and checkpoint.latest(root / "small") is None
