@@ -123,13 +123,14 @@ class MemoryFit:
     accum: int
     measured_mb: dict = field(default_factory=dict)     # micro-batch -> measured peak MiB
     per_sequence_mb: float = 0.0
-    predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> predicted peak MiB
+    predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> linear prediction from 1 and 2
 
     def summary(self) -> str:
         meas = ", ".join(f"{m}: {v:,.0f}" for m, v in sorted(self.measured_mb.items()))
         return (f"memory budget {self.budget_mb:,.0f} MiB ({self.budget_source}): measured peak MiB at micro-batch "
                 f"{meas}; +{self.per_sequence_mb:,.0f} MiB per sequence -> micro-batch {self.micro_batch} x accum "
-                f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB)")
+                f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB, measured "
+                f"{self.measured_mb[self.micro_batch]:,.0f})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,13 +150,13 @@ def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_s
     if effective_batch > 1 and candidates[1] == 2:
         measured[2] = measure(2)
     slope = max(0.0, measured.get(2, measured[1]) - measured[1])
-    predicted = {m: measured.get(m, measured[1] + (m - 1) * slope) for m in candidates}
-    fitting = [m for m in candidates if predicted[m] <= budget_mb]
+    predicted = {m: measured[1] + (m - 1) * slope for m in candidates}
+    fitting = [m for m in candidates if measured.get(m, predicted[m]) <= budget_mb]
     while True:
         chosen = fitting[-1]
         if chosen in measured:
             break
-        measured[chosen] = predicted[chosen] = measure(chosen)
+        measured[chosen] = measure(chosen)
         if measured[chosen] <= budget_mb:
             break
         fitting.pop()

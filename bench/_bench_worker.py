@@ -223,6 +223,17 @@ def run_ort(spec: dict) -> dict:
     session = TrainSession(bundle, options=options)
     session_s = time.perf_counter() - t0
     rss["after_session"] = _status()
+    fit = None
+    if spec.get("memory_budget_mb"):                  # the runner's --memory-budget: it measures, then splits
+        from android_runner.memory_fit import fit_session
+        from android_runner.metrics import rss_mb
+
+        t0 = time.perf_counter()
+        effective = spec["phases"][0]["micro"] * spec["phases"][0]["accum"]
+        fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], rss_mb(), log=_log)
+        fit = {**fit.to_dict(), "seconds": round(time.perf_counter() - t0, 2)}
+        spec["phases"] = [{**ph, "micro": fit["micro_batch"], "accum": fit["accum"]} for ph in spec["phases"]]
+        rss["after_fit"] = _status()
     _done(spec, READY)
     phases, initial = [], {k: v.copy() for k, v in session.lora().items()}
     for ph in spec["phases"]:                         # the pilot and lockstep runs have several
@@ -250,7 +261,7 @@ def run_ort(spec: dict) -> dict:
                        "examples": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens}})
     rss["end"] = _status()
     del session
-    return {"backend": "ort", "memory": spec.get("memory", "normal"), "phases": phases,
+    return {"backend": "ort", "memory": spec.get("memory", "normal"), "phases": phases, "memory_fit": fit,
             "session_seconds": round(session_s, 2), "total_seconds": round(time.perf_counter() - t_start, 2),
             "data": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens},
             "rss": rss, "self_maxrss": _maxrss(),

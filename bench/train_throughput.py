@@ -7,9 +7,9 @@ the attention projections, seq-len 128, effective batch 8) and each workload
 three configurations run, each in its own process with 2 threads:
   A  ORT device path: TrainSession + train_step on the loop's micro-batches, micro-batch 8 x accum 1;
   B  PyTorch eager + PEFT (eval.reference.reference_train; SDPA attention, eval() base, AdamW), 8 x 1;
-  C  ORT at its best micro-batch x accum (bench/best_splits.json, written by --pilot: 1x8, 2x4, 4x2, 8x1,
-     one process each, in lockstep, one warm-up + PILOT_STEPS measured steps each, the lowest median step
-     time wins); when the best is 8x1, A is that run too and C does not run that workload.
+  C  ORT as the runner splits the batch under `--memory-budget` = the shape's peak-RSS target
+     (android_runner/memory_fit.py: two measured worst-case micro-batches, the largest fitting split).
+--pilot adds a speed map: 1x8, 2x4, 4x2, 8x1, one process each, in lockstep, 1 warm-up + PILOT_STEPS steps.
 Per shape the three processes load together, then take turns one step at a time (A B C A B C: Lockstep),
 sft then lm, --warmup + --steps steps each; A first runs the memory-lean 1x8 setting on lm (1 + 1 steps).
 Per phase: the worker's VmHWM (reset at the phase start) and the parent's 0.1 s VmRSS samples. A fourth
@@ -69,7 +69,6 @@ SFT_DATA = SHARED / "data" / "sft" / "alpaca_en_demo.json"
 LM_SOURCE = SHARED / "data" / "wikitext2" / "train.txt"
 PILOT = ((1, 8), (2, 4), (4, 2), (8, 1))   # one process each, taking turns step by step
 PILOT_STEPS = 2                 # measured steps per setting (1 picked a split that ran slower in the lockstep)
-BEST_SPLITS = REPO / "bench" / "best_splits.json"   # written by --pilot: {shape: {workload: [micro, accum]}}
 LEAN = (1, EFFECTIVE_BATCH)      # the memory-lean setting, measured once per shape (lm, 1 warm-up + 1 step)
 LOWMEM_SHAPE = "qwen2.5-0.5b"
 LOWMEM_FRACTION = 0.60
@@ -751,13 +750,6 @@ def setup_shape(name: str, sub: Path, quick: bool) -> dict:
     return c.result
 
 
-def _pilot_summary(pilots: dict) -> str:
-    """The pilot's numbers for best_splits.json, when no results JSON keeps them (--pilot-only)."""
-    per = "; ".join(f"{name} {wl} " + " / ".join(f"{q['median_step_s']:.2f}" for q in table)
-                    for (name, wl), (table, _) in pilots.items())
-    return f" (--pilot-only; median step s, {' / '.join(f'{m}x{a}' for m, a in PILOT)}: {per})"
-
-
 def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, timeout: float) -> tuple[list, list]:
     """ORT at each PILOT setting, one process each, taking turns step by step (1 warm-up + pilot_steps each; the
     machine's drift hits every setting alike): the table and the fastest."""
@@ -786,14 +778,16 @@ def run_pilot(setup: dict, wl: str, data: dict, sub: Path, pilot_steps: int, tim
     return table, [best["micro"], best["accum"]]
 
 
-def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pilots: dict, data: dict, sub: Path,
+def lockstep_shape(setup: dict, name: str, workloads: list[str], pilots: dict, data: dict, sub: Path,
                    warmup: int, steps: int, timeout: float, dims: dict,
                    quick: bool) -> tuple[list[dict], list[dict], dict]:
-    """ort-8x1, torch-8x1 and ort-best of one shape, each one process, taking turns step by step: sft, then lm
-    (a worker's allocator only grows, so the smaller workload goes first). ort-8x1 first runs the memory-lean
-    1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. A workload whose best
-    setting is 8x1 has no ort-best phase: ort-8x1 is that run. After each round the GEMM reference worker
-    samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records, its settings)"""
+    """ort-8x1, torch-8x1 and ort-fit of one shape, each one process, taking turns step by step: sft, then lm
+    (a worker's allocator only grows, so the smaller workload goes first). ort-fit is the runner's
+    `--memory-budget` with the shape's peak-RSS target as the budget: before it is READY it measures two
+    worst-case micro-batches and picks its split (android_runner/memory_fit.py). ort-8x1 first runs the
+    memory-lean 1x8 setting on lm (1 warm-up + 1 step) while nothing else has been allocated in it. After each
+    round the GEMM reference worker samples its products for GEMM_TURN_S seconds. -> (entries, GEMM records,
+    its settings)"""
     wls = [w for w in ("sft", "lm") if w in workloads]
     base = {"bundle": setup["bundle"], "ckpt": setup["ckpt"], "threads": THREADS, "seed": 0}
 
@@ -801,24 +795,20 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
         return {"data": str(data[wl]), "micro": m, "accum": a, "warmup": w, "steps": n}
 
     lean = "lm" in wls
-    split_wls = [w for w in wls if tuple(best[w]) != (EFFECTIVE_BATCH, 1)]   # those with an ort-best phase
-    keys = {"ort-8x1": ("ort", EFFECTIVE_BATCH, 1), "torch-8x1": ("torch", EFFECTIVE_BATCH, 1), "ort-best": ("ort", None, None)}
+    budget_mb = TARGET_RSS[name] / 2**20
+    keys = {"ort-8x1": ("ort", EFFECTIVE_BATCH, 1), "torch-8x1": ("torch", EFFECTIVE_BATCH, 1), "ort-fit": ("ort", None, None)}
     workers = {
         "ort-8x1": ("ort", {**base, "phases": ([phase("lm", *LEAN, 1, 1)] if lean else [])
                             + [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
         "torch-8x1": ("torch", {**base, "phases": [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
-        "ort-best": ("ort", {**base, "phases": [phase(w, *best[w]) for w in split_wls]}),
+        "ort-fit": ("ort", {**base, "memory_budget_mb": budget_mb, "phases": [phase(w, *LEAN) for w in wls]}),
     }
-    if not split_wls:
-        del workers["ort-best"]
     workers["gemm-ref"] = ("gemm", {"threads": THREADS, "shapes": gemm_shapes(dims),
                                     "turn_seconds": 0.3 if quick else GEMM_TURN_S})
-    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [
-        (w, [k for k in (*keys, "gemm-ref") if k != "ort-best" or w in split_wls], warmup + steps) for w in wls]
-    log(f"{name}: lockstep of {', '.join(k for k in keys if k in workers)} (" + "; ".join(
-        f"{w}: best {best[w][0]}x{best[w][1]}" + ("" if w in split_wls else " = ort-8x1") for w in wls)
-        + f"), {warmup} warm-up + {steps} steps each"
-        + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else "") + "; GEMM reference after each round")
+    slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, [*keys, "gemm-ref"], warmup + steps) for w in wls]
+    log(f"{name}: lockstep of {', '.join(keys)} (ort-fit: --memory-budget {budget_mb:,.0f} MiB), {warmup} warm-up + "
+        f"{steps} steps each" + (f", after ort-8x1's lean {LEAN[0]}x{LEAN[1]} phase" if lean else "")
+        + "; GEMM reference after each round")
     t0 = time.time()
 
     def on_step(slot, key, i):
@@ -839,19 +829,19 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], best: dict, pil
                 "samples": smp, "cpu_s": None, "log_tail": None if ok else (ls.failed.get(key) or o["log_tail"]),
                 "result": {**{k: v for k, v in res.items() if k != "phases"}, "phases": [ph]} if ok else None}
 
+    fit = (out["ort-fit"]["result"] or {}).get("memory_fit")
+    m, a = (fit["micro_batch"], fit["accum"]) if fit else LEAN
     entries = []
     for j, wl in enumerate(wls):
-        m, a = best[wl]
         runs, defs = {}, {}
         for key, (kind, mm, aa) in keys.items():
-            if key == "ort-best" and wl not in split_wls:
-                continue                                    # best = 8x1: the ort-8x1 run is the best setting's
-            idx = split_wls.index(wl) if key == "ort-best" else j + (1 if lean and key == "ort-8x1" else 0)
-            label = f"ort-best-{m}x{a}" if key == "ort-best" else key
+            idx = j + (1 if lean and key == "ort-8x1" else 0)
+            label = f"ort-fit-{m}x{a}" if key == "ort-fit" else key
             runs[label] = [record(key, wl, idx)]
             defs[label] = [kind, mm or m, aa or a]
         table, _ = pilots.get((name, wl), ([], None))
         entry = {"shape": name, "model": setup["name"], "workload": wl, "ok": True, "pilot": table, "best": [m, a],
+                 "memory_fit": fit and {**fit, "budget_target_bytes": TARGET_RSS[name]},
                  "runs": runs, "config_defs": defs, "configs": {}, "ort_padding_free": setup.get("padding_free", False)}
         if wl == "lm":
             lr = record("ort-8x1", "lean", 0)
@@ -888,10 +878,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per configuration and workload (default 5)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up steps before them (default 1)")
     ap.add_argument("--pilot", action="store_true",
-                    help=f"re-measure the best micro-batch x accum of each shape and workload (adds ~11 min) and "
-                         f"store it in {BEST_SPLITS.name}; without it, the stored choice is used")
-    ap.add_argument("--pilot-only", action="store_true",
-                    help=f"only the pilot (after building the bundles): store the best splits in {BEST_SPLITS.name} and stop")
+                    help="also time every split (1x8, 2x4, 4x2, 8x1) of each shape and workload, one process each, "
+                         "for the speed map (adds ~11 min); the lockstep's ort-fit splits the batch by itself")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/pocketlora-bench"))
     ap.add_argument("--quick", action="store_true", help="tiny configs, smoke test (< 2 min); docs untouched")
     ap.add_argument("--no-lowmem", action="store_true", help="skip the low-memory run")
@@ -906,7 +894,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-only", action="store_true",
                     help="only the --profile runs, added to the existing results JSON; docs and plot re-rendered")
     args = ap.parse_args(argv)
-    args.pilot = args.pilot or args.pilot_only
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if bad := [s for s in shapes if s not in SHAPES]:
@@ -972,32 +959,24 @@ def main(argv=None) -> int:
     gemm: dict[str, list[dict]] = {}
     gemm_settings: dict = {}
 
-    # 3. best split per shape and workload: from BEST_SPLITS (the last --pilot), or a pilot now
-    best_splits = json.loads(BEST_SPLITS.read_text()) if BEST_SPLITS.is_file() and not args.quick else {}
+    # 3. optional pilot (--pilot; --quick too): every split in its own process, for the speed map only; the
+    #    lockstep's ort-fit splits the batch itself (the runner's --memory-budget)
     results = []
     timeout = 300 if args.quick else 1800
     pilots: dict[tuple[str, str], list] = {}
-    for name in shapes:
-        for wl in workloads:
-            if setups[name].get("ok", True) and (args.pilot or args.quick or wl not in best_splits.get(name, {})):
-                pilots[name, wl] = run_pilot(setups[name], wl, data, sub, pilot_steps, timeout)
-                best_splits.setdefault(name, {})[wl] = pilots[name, wl][1]
-    if args.pilot and not args.quick:
-        best_splits["_measured"] = info["date"] + (_pilot_summary(pilots) if args.pilot_only
-                                                   else " (pilot of this run, in its results JSON)")
-        BEST_SPLITS.write_text(json.dumps(best_splits, indent=1) + "\n")
-    if args.pilot_only:
-        log(f"pilot only: best splits written to {BEST_SPLITS}")
-        return 0
-    info["best_splits_measured"] = best_splits.get("_measured", "by this run's pilot")
+    if args.pilot or args.quick:
+        for name in shapes:
+            for wl in workloads:
+                if setups[name].get("ok", True):
+                    pilots[name, wl] = run_pilot(setups[name], wl, data, sub, pilot_steps, timeout)
 
-    # 4. per shape, one lockstep: ort-8x1, torch-8x1, ort-best take turns step by step (sft, then lm)
+    # 4. per shape, one lockstep: ort-8x1, torch-8x1, ort-fit take turns step by step (sft, then lm)
     for name in shapes:
         s = setups[name]
         if not s.get("ok", True):
             results.append({"shape": name, "ok": False, "error": s["error"]})
             continue
-        entries, gemm[name], gemm_settings = lockstep_shape(s, name, workloads, best_splits[name], pilots, data, sub,
+        entries, gemm[name], gemm_settings = lockstep_shape(s, name, workloads, pilots, data, sub,
                                                             warmup, steps, timeout, dims[name], args.quick)
         results += entries
 
@@ -1093,7 +1072,7 @@ def _rng(d: dict, fmt: str = "{:.2f}") -> str:
 
 def _best_key(entry: dict) -> str:
     """The config that ran ORT's best setting: ort-best-MxA, or ort-8x1 itself when 8x1 won the pilot."""
-    return next((k for k in entry["configs"] if k.startswith("ort-best")), "ort-8x1")
+    return next((k for k in entry["configs"] if k.startswith(("ort-best", "ort-fit"))), "ort-8x1")
 
 
 def _ort_keys(entry: dict) -> list[str]:
@@ -1138,7 +1117,7 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
             need = TARGET_SPEEDUP[r["workload"]]
             out.append((f"throughput {r['shape']} {r['workload']} ({_shown(r, key)}) >= {need}x PyTorch", ratio >= need,
                         f"{ratio:.2f}x"))
-        if fit := memory_fit(r):
+        if not r.get("memory_fit") and (fit := memory_fit(r)):     # runs before the lockstep's ort-fit: estimated
             need = TARGET_SPEEDUP[r["workload"]]
             out.append((f"throughput {r['shape']} {r['workload']} at the fastest setting within both memory targets "
                         f"({fit['setting']}, from the pilot) >= {need}x PyTorch", fit["ratio"] >= need,
@@ -1151,7 +1130,9 @@ def judge(payload: dict) -> list[tuple[str, bool | None, str]]:  # noqa: C901
     for shape, wls in by_shape.items():
         t_peak = max(w["configs"]["torch-8x1"]["peak_rss"] for w in wls.values() if w["configs"]["torch-8x1"].get("ok"))
         seen = []
-        for key_name, pick in (("ort-8x1", lambda w: "ort-8x1"), ("ort-best", _best_key)):   # best may be ort-8x1
+        best_name = ("ort-fit, the runner's --memory-budget split" if any(w.get("memory_fit") for w in wls.values())
+                     else "ort-best")
+        for key_name, pick in (("ort-8x1", lambda w: "ort-8x1"), (best_name, _best_key)):   # best may be ort-8x1
             peaks = [(w["configs"][pick(w)]["peak_rss"], f"{wl} {pick(w)}") for wl, w in wls.items()
                      if w["configs"].get(pick(w), {}).get("ok")]
             if not peaks or peaks in seen:
@@ -1265,11 +1246,37 @@ def _pilot_words(p: dict) -> tuple[str, str]:
     return ", ".join(f"{m}x{a}" for m, a in pilot), {3: "three", 4: "four"}.get(len(pilot), str(len(pilot)))
 
 
+def _fit_table(p: dict) -> list[str]:
+    """How ort-fit chose its split (android_runner/memory_fit.py), against the peaks measured afterwards."""
+    lines = ["", "How ort-fit split the batch (`--memory-budget` = the target; peaks in MiB; measured = one "
+             "worst-case micro-batch of that many 128-token sequences, all labelled, before the first step):", "",
+             "| shape | budget | measured at 1 / 2 sequences | per sequence | predicted 4 / 8 | chosen | measured at "
+             "the chosen split | peak in the lockstep, sft / lm | fit took |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    by_shape: dict[str, dict] = {}
+    for r in p["results"]:
+        if r.get("ok") and r.get("memory_fit"):
+            by_shape.setdefault(r["shape"], {})[r["workload"]] = r
+    for shape, wls in by_shape.items():
+        f = next(iter(wls.values()))["memory_fit"]
+        meas, pred = f["measured_mb"], f["predicted_mb"]
+        m = f["micro_batch"]
+        peaks = " / ".join(_mib(w["configs"][_best_key(w)]["peak_rss"]) if w["configs"][_best_key(w)].get("ok") else "-"
+                           for w in (wls.get("sft"), wls.get("lm")) if w)
+        lines.append(f"| {shape} | {f['budget_mb']:,.0f} | {meas['1']:,.0f} / {meas.get('2', float('nan')):,.0f} | "
+                     f"+{f['per_sequence_mb']:,.0f} | {pred.get('4', float('nan')):,.0f} / "
+                     f"{pred.get('8', float('nan')):,.0f} | {m}x{f['accum']} | "
+                     + (f"{meas[str(m)]:,.0f}" if m > 2 else "(= measured)") + f" | {peaks} | {f['seconds']:.0f} s |")
+    return lines + [""]
+
+
 def render_section(p: dict) -> str:
     m = p["machine"]
     s = p["settings"]
     pilot_list, pilot_n = _pilot_words(p)
-    mb8_best = [f"{r['shape']} {r['workload']}" for r in p["results"] if r.get("ok") and _best_key(r) == "ort-8x1"]
+    fit_mode = any(r.get("memory_fit") for r in p["results"])      # runs since 2026-12-02 08:00: ort-fit
+    mb8_best = [] if fit_mode else [f"{r['shape']} {r['workload']}" for r in p["results"]
+                                    if r.get("ok") and _best_key(r) == "ort-8x1"]
     padding_free = any(r.get("ort_padding_free") for r in p["results"])
     lines = [
         SECTION, "",
@@ -1296,14 +1303,22 @@ def render_section(p: dict) -> str:
         "- **ORT** = the device path: `TrainSession` (`RuntimeOptions(threads=2)`) + `train_step`, fed the "
         "micro-batches `android_runner/loop.py` builds (`DataOrder(n, seed=0, micro)` + `collate`, right-padded to "
         "the longest sequence of each micro-batch), torch not importable in the process (as on a phone). "
-        f"`ort-8x1` = micro-batch 8, accum 1; `ort-best-MxA` = the fastest of {pilot_list} in a pilot "
-        + ("(`--pilot`: one process per setting, shape and workload, the settings taking turns step by step as in "
-           f"the lockstep below, 1 warm-up + {s['pilot_steps']} " if s.get("pilot_mode") == "lockstep" else
-           f"(`--pilot`: one process per shape and workload, the {pilot_n} settings in turn, 1 warm-up + {s['pilot_steps']} ")
-        + "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
-        "(pilot numbers below when this run re-measured them)" + (
-            "." if not mb8_best else f". Where 8x1 won ({', '.join(mb8_best)}), the best setting's numbers are "
-            "ort-8x1's, marked `ort-8x1 (best)`, and no second process runs it."),
+        f"`ort-8x1` = micro-batch 8, accum 1; " + (
+            "`ort-fit-MxA` = the runner's `--memory-budget` with the shape's peak-RSS target as the budget "
+            "(1.0 / 1.6 / 2.8 GB = 954 / 1,526 / 2,670 MiB): before its first step the process measures the peak "
+            "of one worst-case micro-batch of 1 and of 2 sequences (128 labelled tokens each), predicts the "
+            "others linearly, runs the largest divisor of 8 predicted to fit once more, and trains at that split "
+            "(`android_runner/memory_fit.py`, the code `pocketlora train --memory-budget` runs)."
+            + (f" `--pilot` also timed {pilot_list}, one process each, in turns (speed map below)."
+               if any(r.get("pilot") for r in p["results"]) else "") if fit_mode else
+        f"`ort-best-MxA` = the fastest of {pilot_list} in a pilot "
+            + ("(`--pilot`: one process per setting, shape and workload, the settings taking turns step by step as in "
+               f"the lockstep below, 1 warm-up + {s['pilot_steps']} " if s.get("pilot_mode") == "lockstep" else
+               f"(`--pilot`: one process per shape and workload, the {pilot_n} settings in turn, 1 warm-up + {s['pilot_steps']} ")
+            + "measured step each, lowest median step time wins), stored in `bench/best_splits.json` and used by later runs "
+            "(pilot numbers below when this run re-measured them)" + (
+                "." if not mb8_best else f". Where 8x1 won ({', '.join(mb8_best)}), the best setting's numbers are "
+                "ort-8x1's, marked `ort-8x1 (best)`, and no second process runs it.")),
         "- **PyTorch** = `eval.reference.reference_train` (PEFT LoRA with the bundle's own `target_modules`, "
         "transformers' default attention (SDPA), base model in `eval()`, AdamW, clipping 1.0, loss = summed NLL "
         "over the step's labelled tokens / their count), `torch.set_num_threads(2)`, one micro-batch of the same 8 "
@@ -1321,7 +1336,7 @@ def render_section(p: dict) -> str:
         "- Tokenizers: GPT-2's for gpt2-124m **and gemma3-270m** (Gemma's own is not in `../shared`; with random "
         "weights any tokenizer whose vocabulary (50,257) is <= the model's (262,144) fits; only the data's token "
         "counts change), Qwen2.5's for qwen2.5-0.5b.",
-        f"- Lockstep, per shape: three processes (ort-8x1, torch-8x1, ort-best) load at the same time, then take "
+        f"- Lockstep, per shape: three processes (ort-8x1, torch-8x1, {'ort-fit' if fit_mode else 'ort-best'}) load at the same time, then take "
         f"turns one step at a time (A B C A B C ...), so no two steps ever overlap and slow phases of the machine hit "
         f"all three alike{' (ort-best only in the workloads a split won)' if mb8_best else ''}: first the sft workload, then lm, each {s['warmup']} warm-up + {s['steps']} measured steps "
         "on the same data in every process. Before its sft phase, the ort-8x1 process runs the memory-lean setting "
@@ -1376,7 +1391,10 @@ def render_section(p: dict) -> str:
     lines += [] if not any(r.get("pilot") for r in p["results"]) else [
         "", "Pilot (ORT micro-batch x accum, median step seconds, one process): " + "; ".join(
         f"{r['shape']} {r['workload']}: " + ", ".join(f"{q['micro']}x{q['accum']} {q['median_step_s']:.2f}" for q in r["pilot"])
-        + f" -> {r['best'][0]}x{r['best'][1]}" for r in p["results"] if r.get("ok") and r["pilot"]) + ".", ""]
+        + (f" -> fastest {min(r['pilot'], key=lambda q: q['median_step_s'])['micro']}x"
+           f"{min(r['pilot'], key=lambda q: q['median_step_s'])['accum']}" if fit_mode
+           else f" -> {r['best'][0]}x{r['best'][1]}") for r in p["results"] if r.get("ok") and r["pilot"]) + ".", ""]
+    lines += _fit_table(p) if fit_mode else []
     losses = []
     for r in p["results"]:
         if r.get("ok"):
@@ -1539,6 +1557,7 @@ def make_plot(p: dict, path: Path) -> None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
     colors = {"ort-8x1": "#4c72b0", "ort-best": "#55a868", "torch-8x1": "#c44e52"}
+    best_label = "ort-fit (--memory-budget = target)" if any(r.get("memory_fit") for r in res) else "ort-best"
     labels = [f"{r['shape']}\n{r['workload']}" for r in res]
     width = 0.27
     for j, kind in enumerate(("ort-8x1", "ort-best", "torch-8x1")):
@@ -1552,8 +1571,9 @@ def make_plot(p: dict, path: Path) -> None:
                 ys.append(t["median"])
                 lo.append(t["median"] - t["min"])
                 hi.append(t["max"] - t["median"])
-                names.append(key.replace("ort-best-", "").replace("ort-", ""))
-        bars = ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=3, color=colors[kind], label=kind)
+                names.append(key.replace("ort-best-", "").replace("ort-fit-", "").replace("ort-", ""))
+        bars = ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=3, color=colors[kind],
+                       label=best_label if kind == "ort-best" else kind)
         if kind == "ort-best":
             for b, nm in zip(bars, names):
                 ax1.text(b.get_x() + b.get_width() / 2, b.get_height() * 0.02, nm, ha="center", va="bottom",
@@ -1569,7 +1589,8 @@ def make_plot(p: dict, path: Path) -> None:
             vals = [c["peak_rss"] for r in res if r["shape"] == sh for k, c in r["configs"].items()
                     if (k == _best_key(r) if kind == "ort-best" else k.startswith(kind)) and c.get("ok")]
             ys.append(max(vals) / 2**30 if vals else 0)
-        ax2.bar([i + (j - 1) * width for i in range(len(shapes))], ys, width, color=colors[kind], label=kind)
+        ax2.bar([i + (j - 1) * width for i in range(len(shapes))], ys, width, color=colors[kind],
+                label=best_label if kind == "ort-best" else kind)
     for i, sh in enumerate(shapes):
         if sh in TARGET_RSS and not p["quick"]:
             ax2.hlines(TARGET_RSS[sh] / 2**30, i - 0.45, i + 0.45, colors="k", linestyles="dashed")
