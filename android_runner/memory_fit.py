@@ -171,6 +171,9 @@ def fit_session(session, seq_len: int, effective_batch: int, budget, own_rss_mb:
     else:
         budget_mb, source = float(budget), "given"
     log(f"measuring memory per micro-batch (worst case: {seq_len} labelled tokens per sequence)")
+    if not reset_peak_rss():
+        log("warning: this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs); each measurement is the "
+            "peak of the whole process so far, so the split chosen may be smaller than what fits")
     fit = choose_micro_batch(lambda m: measure_peak_mb(session, m, seq_len), effective_batch, budget_mb, source)
     log(fit.summary())
     return fit
