@@ -20,6 +20,7 @@ keep resident (under pressure it may drop clean weight pages and read them again
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -62,27 +63,34 @@ def _meminfo_mb(key: str) -> float | None:
     return None
 
 
-def _cgroup_limit_mb() -> float | None:
-    """The memory limit of this process's cgroup (v2 memory.max or v1 memory.limit_in_bytes), if any."""
+def _ancestors(path: str) -> list[str]:
+    """'/a/b' -> ['/a/b', '/a', '/']: a cgroup's limit applies to everything below it."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:k]) for k in range(len(parts), -1, -1)]
+
+
+def cgroup_limit_mb(proc_cgroup: str = "/proc/self/cgroup", fs: str = "/sys/fs/cgroup") -> float | None:
+    """The tightest memory limit over this process's cgroup and its ancestors (v2 memory.max, v1
+    memory.limit_in_bytes), or None where there is none."""
     try:
-        lines = open("/proc/self/cgroup").read().splitlines()
+        lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return None
     limits = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+            files = [Path(fs + d) / "memory.max" for d in _ancestors(path)]
         elif "memory" in controllers.split(","):
-            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+            files = [Path(fs, "memory" + d) / "memory.limit_in_bytes" for d in _ancestors(path)]
         else:
             continue
-        for c in candidates:
+        for f in files:
             try:
-                raw = open(c).read().strip()
+                raw = f.read_text().strip()
             except OSError:
                 continue
-            if raw != "max" and int(raw) < 2**60:
+            if raw != "max" and int(raw) < 2**60:      # v1 writes "no limit" as ~2^63
                 limits.append(int(raw) / 2**20)
     return min(limits) if limits else None
 
@@ -91,7 +99,7 @@ def auto_budget_mb(own_rss_mb: float) -> tuple[float, str]:
     """AUTO_FRACTION of what this process can grow to, and where that figure came from."""
     available = _meminfo_mb("MemAvailable")
     room, why = (available + own_rss_mb, "MemAvailable + own RSS") if available is not None else (None, "")
-    limit = _cgroup_limit_mb()
+    limit = cgroup_limit_mb()
     if limit is not None and (room is None or limit < room):
         room, why = limit, "cgroup memory limit"
     if room is None:

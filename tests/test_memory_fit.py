@@ -123,3 +123,46 @@ def test_a_budget_too_small_fails_before_anything_is_recorded(tiny):
     with pytest.raises(RunError, match="even micro-batch 1 needs"):
         train(_cfg(bundle, data, memory_budget="1"), root / "small", log=lambda *_: None)
     assert not (root / "small" / "run.json").exists() and checkpoint.latest(root / "small") is None
+
+
+def test_cgroup_limit_is_the_tightest_over_the_ancestors(tmp_path):
+    from android_runner.memory_fit import cgroup_limit_mb
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/apps/run\n1:cpu:/\n0::/user/app\n")
+    fs = tmp_path / "fs"
+    for rel, name, value in (("memory/apps/run", "memory.limit_in_bytes", str(2**63 - 4096)),   # v1 "no limit"
+                             ("memory/apps", "memory.limit_in_bytes", str(3 * 2**30)),
+                             ("user/app", "memory.max", "max"),
+                             ("user", "memory.max", str(5 * 2**30))):
+        (fs / rel).mkdir(parents=True, exist_ok=True)
+        (fs / rel / name).write_text(value + "\n")
+    assert cgroup_limit_mb(str(proc), str(fs)) == 3 * 1024
+    (fs / "memory/apps/memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    assert cgroup_limit_mb(str(proc), str(fs)) == 5 * 1024
+    (fs / "user/memory.max").write_text("max")
+    assert cgroup_limit_mb(str(proc), str(fs)) is None
+
+
+def test_auto_budget_reads_a_real_cgroup_limit(tmp_path):
+    """A child moved into a cgroup-v1 memory group of 3 GiB sees 80% of it as its `auto` budget."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path("/sys/fs/cgroup/memory")
+    group = root / f"pocketlora-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(3 * 2**30))
+    except OSError as e:
+        pytest.skip(f"no writable cgroup-v1 memory controller here ({e})")
+    try:
+        code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
+                "from android_runner.memory_fit import auto_budget_mb; b, why = auto_budget_mb(100.0); print(b, why)")
+        out = subprocess.run([sys.executable, "-c", code, str(group)], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1]).stdout.split(maxsplit=1)
+        assert float(out[0]) == pytest.approx(0.8 * 3072) and "cgroup memory limit" in out[1]
+    finally:
+        group.rmdir()
