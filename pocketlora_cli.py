@@ -47,8 +47,19 @@ def _add_gen(sub) -> None:
     p.set_defaults(func=_gen)
 
 
+def _as_on_device() -> None:
+    """`train` and `export` run as on a phone, where torch is absent: onnxruntime-training's own
+    `import onnxruntime` imports torch whenever it is installed (its ORTModule check), ~200 MB of RSS
+    and seconds of start-up that a device never pays. Kept as it is where this process already has torch."""
+    for name in ("torch", "transformers", "peft", "optimum"):
+        if name not in sys.modules and not any(m.startswith(name + ".") for m in sys.modules):
+            sys.modules[name] = None          # import fails, find_spec answers None: the device's view
+
+
 def _train(args) -> None:
     from dataclasses import asdict
+
+    _as_on_device()
 
     from android_runner.gate import GateConfig
     from android_runner.loop import RunConfig, train
@@ -106,6 +117,7 @@ def _add_train(sub) -> None:
 
 
 def _export(args) -> None:
+    _as_on_device()
     from android_runner.loop import RUN_CONFIG
     from ort_trainer import checkpoint
     from ort_trainer.bundle import open_bundle

@@ -235,7 +235,9 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
         "stopped_by": stop.signal_name, "step": step, "total_steps": total,
         "wall_s": round(wall, 2), "tokens_this_session": tokens_total,
         "tokens_per_s": round(tokens_total / wall, 1) if wall > 0 else None,
-        "peak_rss_mb": round(peak_rss_mb(), 1), "memory_fit": fit.to_dict() if fit else None, "gate": tracker.summary(), **energy.summary(wall),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "torch_in_process": any(m.split(".")[0] == "torch" and v is not None for m, v in sys.modules.items()),
+        "memory_fit": fit.to_dict() if fit else None, "gate": tracker.summary(), **energy.summary(wall),
         "data_report": asdict(report),
     }
     (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1, default=str))

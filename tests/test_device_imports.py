@@ -33,3 +33,19 @@ def test_device_trains_and_exports_without_torch(tmp_path, shared_data):
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "DEVICE-OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+
+
+def test_cli_train_does_not_load_torch_even_where_installed(tmp_path, shared_data):
+    """onnxruntime-training's `import onnxruntime` imports torch whenever it is installed; `pocketlora train`
+    keeps it out, so a workstation run measures what a phone would (torch is installed in this environment)."""
+    import json
+
+    _, bundle = build_tiny_bundle("gpt2", tmp_path)
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join((shared_data / "wikitext2" / "valid.txt").read_text().splitlines()[:60]))
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "pocketlora_cli", "train", "--bundle", str(bundle), "--data", str(data),
+                          "--out", str(run), "--max-steps", "2", "--battery", "none", "--accum", "2"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["torch_in_process"] is False
