@@ -146,7 +146,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     if cfg.memory_budget is not None and not resuming:
         try:
             fit = fit_session(session, man.seq_len, cfg.micro_batch * cfg.accum, parse_budget(cfg.memory_budget),
-                              rss_mb(), log)
+                              rss_mb(), log, anonymous=cfg.memory == "low")
         except MemoryBudgetError as e:
             raise RunError(str(e)) from None
         cfg.micro_batch, cfg.accum = fit.micro_batch, fit.accum

@@ -230,7 +230,8 @@ def run_ort(spec: dict) -> dict:
 
         t0 = time.perf_counter()
         effective = spec["phases"][0]["micro"] * spec["phases"][0]["accum"]
-        fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], rss_mb(), log=_log)
+        fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], rss_mb(), log=_log,
+                          anonymous=spec.get("memory") == "low")
         fit = {**fit.to_dict(), "seconds": round(time.perf_counter() - t0, 2)}
         spec["phases"] = [{**ph, "micro": fit["micro_batch"], "accum": fit["accum"]} for ph in spec["phases"]]
         rss["after_fit"] = _status()

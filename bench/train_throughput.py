@@ -598,6 +598,17 @@ def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: flo
     log(f"low-memory: memory=low under a {limit / 2**20:.0f} MiB limit via {mechanism or 'systemd-run'}")
     if mechanism:
         low = run_child("ort", {**spec, "memory": "low"}, workdir / "lowmem-low.log", timeout, cgroup=CGROUP)
+        # the same, with the runner's --memory-budget auto: it reads the cgroup's limit and, in low mode,
+        # splits the batch by anonymous memory (android_runner/memory_fit.py)
+        for k in ("memory.max_usage_in_bytes", "memory.failcnt"):
+            try:
+                (CGROUP / k).write_text("0")
+            except OSError:
+                pass
+        _evict_page_cache(shards)
+        log("low-memory: the same cap, with --memory-budget auto")
+        out["low_fit"] = _lowmem_summary(run_child("ort", {**spec, "memory": "low", "memory_budget_mb": "auto"},
+                                                   workdir / "lowmem-low-fit.log", timeout, cgroup=CGROUP))
         try:
             CGROUP.rmdir()
         except OSError as e:
@@ -620,6 +631,7 @@ def _lowmem_summary(c: ChildResult) -> dict:
         s["median_step_s"] = statistics.median(s["step_seconds"])
         s["rss_stages"] = c.result.get("rss")
         s["session_seconds"] = c.result.get("session_seconds")
+        s["memory_fit"] = c.result.get("memory_fit")
     else:
         s["log_tail"] = _tail(c.log_path)
         s["steps_done"] = re.findall(r"step (\d+): ([\d.]+) s", c.log_path.read_text(errors="replace"))
@@ -1466,7 +1478,13 @@ def render_section(p: dict) -> str:
         lines += ["", "| mode | completed | median step s | peak RSS MiB (RssAnon / RssFile) | cgroup max usage MiB | limit hits (failcnt) |",
                   "|---|---|---:|---:|---:|---:|"]
         modes = [("normal (no limit)", n)] + ([("low (no limit)", lm["low_unlimited"])] if lm.get("low_unlimited") else [])
-        for label, x in modes + [("low (limited)", lo)]:
+        fit = lm.get("low_fit")
+        if fit and fit.get("memory_fit"):
+            f = fit["memory_fit"]
+            fit_label = f"low (limited), `--memory-budget auto`: {f['micro_batch']}x{f['accum']}"
+        else:
+            fit_label = "low (limited), `--memory-budget auto`"
+        for label, x in modes + [("low (limited)", lo)] + ([(fit_label, fit)] if fit else []):
             cg = x.get("cgroup") or {}
             smp = x.get("sampled", {})
             lines.append(
@@ -1475,8 +1493,17 @@ def render_section(p: dict) -> str:
                 f"{_mib(smp.get('RssFile', 0))}) | "
                 f"{_mib(cg['memory.max_usage_in_bytes']) if 'memory.max_usage_in_bytes' in cg else '-'} | "
                 f"{cg.get('memory.failcnt', '-')} |")
-        if not lo["completed"]:
-            lines += ["", "Low-memory run output (tail):", "", "```", lo.get("log_tail", "")[-1500:], "```"]
+        if fit and fit.get("memory_fit"):
+            f = fit["memory_fit"]
+            meas = ", ".join(f"{m}: {v:,.0f}" for m, v in f["measured_mb"].items())
+            lines += ["", f"`--memory-budget auto` in the cgroup: budget {f['budget_mb']:,.0f} MiB of {f['counts']} "
+                      f"({f['budget_source']}); measured MiB at micro-batch {meas} (+{f['per_sequence_mb']:,.0f} per "
+                      f"sequence) -> {f['micro_batch']}x{f['accum']}, "
+                      + (f"{lo['median_step_s'] / fit['median_step_s']:.2f}x the speed of the 1x8 low run above."
+                         if fit.get("completed") and lo.get("completed") else "did not complete.")]
+        for x in (lo, fit or {"completed": True}):
+            if not x["completed"]:
+                lines += ["", "Low-memory run output (tail):", "", "```", x.get("log_tail", "")[-1500:], "```"]
 
     lines += render_analysis(p)
     lines += ["", "### Targets", ""]

@@ -166,3 +166,39 @@ def test_auto_budget_reads_a_real_cgroup_limit(tmp_path):
         assert float(out[0]) == pytest.approx(0.8 * 3072) and "cgroup memory limit" in out[1]
     finally:
         group.rmdir()
+
+
+def test_low_mode_measures_anonymous_memory_only(tmp_path):
+    """--memory low counts what the kernel cannot drop: a pass that maps 128 MiB of a file and allocates 96 MiB
+    measures the 96 (plus the process's own anonymous memory), not the mapped file."""
+    import mmap
+
+    from android_runner.memory_fit import measure_peak_mb
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(np.random.default_rng(0).bytes(128 * 2**20))
+
+    class Pass:                                           # as ORT: the weights stay mapped for the session's life
+        def __init__(self):
+            with open(path, "rb") as f:
+                self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+        def forward_backward(self, batch, scale):
+            m = self.weights
+            self.checksum = sum(m[i] for i in range(0, len(m), 4096))          # touch every page
+            work = np.ones(96 * 2**20 // 8)                                      # activations
+            del work
+
+        def drop_grads(self):
+            pass
+
+    def status(key):
+        return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+    session = Pass()
+    anon_before = status("RssAnon")
+    total = measure_peak_mb(session, 1, 4)
+    anon = measure_peak_mb(session, 1, 4, anonymous=True)
+    session.weights.close()
+    assert anon == pytest.approx(anon_before + 96, abs=40)
+    assert total - anon > 100, (total, anon)              # the mapped file is counted only in `total`
