@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import peak_rss_mb, reset_peak_rss
+from .metrics import peak_rss_mb, reset_peak_rss, status_mb
 
 AUTO = "auto"
 AUTO_FRACTION = 0.8    # `auto`: this share of what the system can still give (MemAvailable + own RSS, or a cgroup limit)
@@ -54,17 +54,6 @@ def parse_budget(text: str) -> str | float:
     if mb <= 0:
         raise MemoryBudgetError(f"--memory-budget {text!r} must be > 0")
     return mb
-
-
-def _meminfo_mb(key: str) -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 def _ancestors(path: str) -> list[str]:
@@ -101,7 +90,7 @@ def cgroup_limit_mb(proc_cgroup: str = "/proc/self/cgroup", fs: str = "/sys/fs/c
 
 def auto_budget_mb(own_rss_mb: float) -> tuple[float, str]:
     """AUTO_FRACTION of what this process can grow to, and where that figure came from."""
-    available = _meminfo_mb("MemAvailable")
+    available = status_mb("MemAvailable", "/proc/meminfo")
     room, why = (available + own_rss_mb, "MemAvailable + own RSS") if available is not None else (None, "")
     limit = cgroup_limit_mb()
     if limit is not None and (room is None or limit < room):
@@ -118,24 +107,13 @@ def worst_case_batch(micro: int, seq_len: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
 
 
-def _rss_file_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssFile:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def measure_peak_mb(session, micro: int, seq_len: int, anonymous: bool = False) -> float:
     """Peak RSS of one forward/backward pass at `micro` worst-case sequences (`anonymous`: minus the
     file-backed pages, the memory-mapped weights); the gradients are dropped."""
     reset_peak_rss()
     session.forward_backward(worst_case_batch(micro, seq_len), 1.0 / (micro * seq_len))
     session.drop_grads()
-    return peak_rss_mb() - (_rss_file_mb() if anonymous else 0.0)
+    return peak_rss_mb() - ((status_mb("RssFile") or 0.0) if anonymous else 0.0)
 
 
 @dataclass

@@ -25,17 +25,24 @@ def rss_mb() -> float:
         return float("nan")
 
 
-def peak_rss_mb() -> float:
-    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a
-    runner started by a bigger process (a test, a notebook) would report its parent's peak."""
+def status_mb(key: str, path: str = "/proc/self/status") -> float | None:
+    """One kB field of /proc/self/status (VmHWM, RssAnon, RssFile, ...) or of another such file
+    (/proc/meminfo: MemAvailable) in MiB; None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a
+    runner started by a bigger process (a test, a notebook) would report its parent's peak."""
+    hwm = status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def reset_peak_rss() -> bool:

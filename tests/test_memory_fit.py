@@ -169,36 +169,44 @@ def test_auto_budget_reads_a_real_cgroup_limit(tmp_path):
 
 
 def test_low_mode_measures_anonymous_memory_only(tmp_path):
-    """--memory low counts what the kernel cannot drop: a pass that maps 128 MiB of a file and allocates 96 MiB
-    measures the 96 (plus the process's own anonymous memory), not the mapped file."""
-    import mmap
-
-    from android_runner.memory_fit import measure_peak_mb
+    """--memory low counts what the kernel cannot drop: a pass that touches 128 MiB of a mapped file and allocates
+    96 MiB measures the 96 (plus the process's own anonymous memory), not the mapped file. In a fresh interpreter,
+    so that no freed heap of earlier tests hides the 96 MiB."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
     path = tmp_path / "weights.bin"
     path.write_bytes(np.random.default_rng(0).bytes(128 * 2**20))
+    code = f"""
+import mmap, numpy as np
+from android_runner.memory_fit import measure_peak_mb
 
-    class Pass:                                           # as ORT: the weights stay mapped for the session's life
-        def __init__(self):
-            with open(path, "rb") as f:
-                self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+class Pass:                                               # as ORT: the weights stay mapped for the session's life
+    def __init__(self):
+        with open({str(path)!r}, "rb") as f:
+            self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
-        def forward_backward(self, batch, scale):
-            m = self.weights
-            self.checksum = sum(m[i] for i in range(0, len(m), 4096))          # touch every page
-            work = np.ones(96 * 2**20 // 8)                                      # activations
-            del work
+    def forward_backward(self, batch, scale):
+        m = self.weights
+        self.checksum = sum(m[i] for i in range(0, len(m), 4096))      # touch every page
+        work = np.ones(96 * 2**20 // 8)                                  # activations
+        del work
 
-        def drop_grads(self):
-            pass
+    def drop_grads(self):
+        pass
 
-    def status(key):
-        return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
+def status(key):
+    return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 
-    session = Pass()
-    anon_before = status("RssAnon")
-    total = measure_peak_mb(session, 1, 4)
-    anon = measure_peak_mb(session, 1, 4, anonymous=True)
-    session.weights.close()
-    assert anon == pytest.approx(anon_before + 96, abs=40)
+session = Pass()
+before = status("RssAnon")
+total = measure_peak_mb(session, 1, 4)
+anon = measure_peak_mb(session, 1, 4, anonymous=True)
+print(before, total, anon)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    before, total, anon = map(float, out)
+    assert anon == pytest.approx(before + 96, abs=40), (before, total, anon)
     assert total - anon > 100, (total, anon)              # the mapped file is counted only in `total`
