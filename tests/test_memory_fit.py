@@ -58,13 +58,14 @@ def test_budget_parsing():
 
 
 def test_peak_reset_measures_a_later_smaller_peak():
-    """The calibration relies on VmHWM being resettable: a big allocation, freed, then a small one."""
-    big = np.ones(200 * 2**20 // 8)
+    """The calibration relies on VmHWM being resettable: a big allocation, freed, then a small one; after the
+    reset the peak mark must be far below the big allocation's."""
+    big = np.ones(200 * 2**20 // 8)                # written, so resident
+    peak_with_big = peak_rss_mb()
     del big
     assert reset_peak_rss(), "clear_refs is not writable here"
-    before = peak_rss_mb()
     small = np.ones(20 * 2**20 // 8)
-    assert peak_rss_mb() - before < 100, "the peak still holds the freed 200 MiB"
+    assert peak_rss_mb() < peak_with_big - 100, "the peak still holds the freed 200 MiB"
     del small
 
 
