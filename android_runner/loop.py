@@ -25,7 +25,7 @@ from ort_trainer.step import train_step
 
 from .gate import GateConfig, GateState, GateTracker
 from .memory_fit import MemoryBudgetError, fit_session, parse_budget
-from .metrics import EnergyMeter, MetricsLog, peak_rss_mb, rss_mb
+from .metrics import EnergyMeter, MetricsLog, peak_rss_mb, rss_mb, torch_in_process
 from .probes import SafeProbe, make_probe
 
 RUN_CONFIG = "run.json"
@@ -146,7 +146,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     if cfg.memory_budget is not None and not resuming:
         try:
             fit = fit_session(session, man.seq_len, cfg.micro_batch * cfg.accum, parse_budget(cfg.memory_budget),
-                              rss_mb(), log, anonymous=cfg.memory == "low")
+                              log, anonymous=cfg.memory == "low")
         except MemoryBudgetError as e:
             raise RunError(str(e)) from None
         cfg.micro_batch, cfg.accum = fit.micro_batch, fit.accum
@@ -236,7 +236,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
         "wall_s": round(wall, 2), "tokens_this_session": tokens_total,
         "tokens_per_s": round(tokens_total / wall, 1) if wall > 0 else None,
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        "torch_in_process": any(m.split(".")[0] == "torch" and v is not None for m, v in sys.modules.items()),
+        "torch_in_process": torch_in_process(),
         "memory_fit": fit.to_dict() if fit else None, "gate": tracker.summary(), **energy.summary(wall),
         "data_report": asdict(report),
     }

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import peak_rss_mb, reset_peak_rss, status_mb
+from .metrics import peak_rss_mb, reset_peak_rss, rss_mb, status_mb
 
 AUTO = "auto"
 AUTO_FRACTION = 0.8    # `auto`: this share of what the system can still give (MemAvailable + own RSS, or a cgroup limit)
@@ -89,10 +89,10 @@ def cgroup_limit_mb(proc_cgroup: str = "/proc/self/cgroup", fs: str = "/sys/fs/c
     return min(limits) if limits else None
 
 
-def auto_budget_mb(own_rss_mb: float) -> tuple[float, str]:
+def auto_budget_mb() -> tuple[float, str]:
     """AUTO_FRACTION of what this process can grow to, and where that figure came from."""
     available = status_mb("MemAvailable", "/proc/meminfo")
-    room, why = (available + own_rss_mb, "MemAvailable + own RSS") if available is not None else (None, "")
+    room, why = (available + rss_mb(), "MemAvailable + own RSS") if available is not None else (None, "")
     limit = cgroup_limit_mb()
     if limit is not None and (room is None or limit < room):
         room, why = limit, "cgroup memory limit"
@@ -140,7 +140,8 @@ class MemoryFit:
         return asdict(self)
 
 
-def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_source: str = "given") -> MemoryFit:
+def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_source: str = "given",
+                       counts: str = "RSS") -> MemoryFit:
     """`measure(m)` -> peak MiB of a worst-case micro-batch of m sequences. Candidates are the divisors of
     `effective_batch`; they are measured in increasing order, so a device never runs more than is
     predicted to fit."""
@@ -165,15 +166,14 @@ def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_s
             break
         fitting.pop()
     return MemoryFit(budget_mb, budget_source, effective_batch, chosen, effective_batch // chosen,
-                     measured, slope, predicted)
+                     measured, slope, predicted, counts)
 
 
-def fit_session(session, seq_len: int, effective_batch: int, budget, own_rss_mb: float, log=print,
-                anonymous: bool = False) -> MemoryFit:
+def fit_session(session, seq_len: int, effective_batch: int, budget, log=print, anonymous: bool = False) -> MemoryFit:
     """Measure `session` (a TrainSession) and choose its micro-batch under `budget` (MiB or AUTO);
     `anonymous` (--memory low): the budget bounds anonymous memory only."""
     if budget == AUTO:
-        budget_mb, source = auto_budget_mb(own_rss_mb)
+        budget_mb, source = auto_budget_mb()
     else:
         budget_mb, source = float(budget), "given"
     log(f"measuring memory per micro-batch (worst case: {seq_len} labelled tokens per sequence)")
@@ -181,7 +181,6 @@ def fit_session(session, seq_len: int, effective_batch: int, budget, own_rss_mb:
         log("warning: this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs); each measurement is the "
             "peak of the whole process so far, so the split chosen may be smaller than what fits")
     fit = choose_micro_batch(lambda m: measure_peak_mb(session, m, seq_len, anonymous), effective_batch, budget_mb,
-                             source)
-    fit.counts = "anonymous RSS" if anonymous else "RSS"
+                             source, "anonymous RSS" if anonymous else "RSS")
     log(fit.summary())
     return fit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,11 @@ def peak_rss_mb() -> float:
     runner started by a bigger process (a test, a notebook) would report its parent's peak."""
     hwm = status_mb("VmHWM")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def torch_in_process() -> bool:
+    """Whether torch is loaded here (on a phone it never is; see pocketlora_cli._as_on_device)."""
+    return any(m.split(".")[0] == "torch" and v is not None for m, v in sys.modules.items())
 
 
 def reset_peak_rss() -> bool:

@@ -183,7 +183,7 @@ def run_ort(spec: dict) -> dict:
     from ort_trainer.memory import trim_heap
     from ort_trainer.session import RuntimeOptions, TrainSession
     from ort_trainer.step import train_step
-    from android_runner.metrics import reset_peak_rss
+    from android_runner.metrics import reset_peak_rss, torch_in_process
 
     rss = {"start": _status()}
     bundle = open_bundle(spec["bundle"], verify="sizes")
@@ -226,11 +226,10 @@ def run_ort(spec: dict) -> dict:
     fit = None
     if spec.get("memory_budget_mb"):                  # the runner's --memory-budget: it measures, then splits
         from android_runner.memory_fit import fit_session
-        from android_runner.metrics import rss_mb
 
         t0 = time.perf_counter()
         effective = spec["phases"][0]["micro"] * spec["phases"][0]["accum"]
-        fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], rss_mb(), log=_log,
+        fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], log=_log,
                           anonymous=spec.get("memory") == "low")
         fit = {**fit.to_dict(), "seconds": round(time.perf_counter() - t0, 2)}
         spec["phases"] = [{**ph, "micro": fit["micro_batch"], "accum": fit["accum"]} for ph in spec["phases"]]
@@ -266,7 +265,7 @@ def run_ort(spec: dict) -> dict:
             "session_seconds": round(session_s, 2), "total_seconds": round(time.perf_counter() - t_start, 2),
             "data": {"examples": report.examples, "tokens": report.tokens, "label_tokens": report.label_tokens},
             "rss": rss, "self_maxrss": _maxrss(),
-            "torch_loaded": any(m.split(".")[0] == "torch" and v is not None for m, v in sys.modules.items())}
+            "torch_loaded": torch_in_process()}
 
 
 # ---------------------------------------------------------------------------------------- torch

@@ -558,6 +558,15 @@ def _evict_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def _reset_cgroup_counters() -> None:
+    """Zero the cgroup's high-water mark and limit-hit count, so the next child's are its own."""
+    for k in ("memory.max_usage_in_bytes", "memory.failcnt"):
+        try:
+            (CGROUP / k).write_text("0")
+        except OSError:
+            pass
+
+
 def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: float, lean: dict | None) -> dict:
     fp32_bytes = setup["manifest_model"]["frozen_params"] * 4
     limit = int(LOWMEM_FRACTION * fp32_bytes)
@@ -584,11 +593,7 @@ def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: flo
         try:
             CGROUP.mkdir(exist_ok=True)
             (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
-            for k in ("memory.max_usage_in_bytes", "memory.failcnt"):
-                try:
-                    (CGROUP / k).write_text("0")
-                except OSError:
-                    pass
+            _reset_cgroup_counters()
             mechanism = "cgroup-v1"
         except OSError as e:
             out["cgroup_error"] = f"{type(e).__name__}: {e}"
@@ -600,11 +605,7 @@ def lowmem_run(setup: dict, data: Path, workdir: Path, quick: bool, timeout: flo
         low = run_child("ort", {**spec, "memory": "low"}, workdir / "lowmem-low.log", timeout, cgroup=CGROUP)
         # the same, with the runner's --memory-budget auto: it reads the cgroup's limit and, in low mode,
         # splits the batch by anonymous memory (android_runner/memory_fit.py)
-        for k in ("memory.max_usage_in_bytes", "memory.failcnt"):
-            try:
-                (CGROUP / k).write_text("0")
-            except OSError:
-                pass
+        _reset_cgroup_counters()
         _evict_page_cache(shards)
         log("low-memory: the same cap, with --memory-budget auto")
         out["low_fit"] = _lowmem_summary(run_child("ort", {**spec, "memory": "low", "memory_budget_mb": "auto"},

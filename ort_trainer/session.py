@@ -50,7 +50,9 @@ class RuntimeOptions:
             so.inter_op_num_threads = 1
         if self.memory == "low":
             # Prepacking copies every MatMul weight to the heap; without it the memory-mapped
-            # external data is used in place, so the base model stays in the page cache.
+            # external data is used in place, so the base model stays in the page cache. (ORT's training
+            # Module disables prepacking itself, so for the training session this only restates it; it
+            # matters for eval sessions. In training, low mode changes what --memory-budget counts.)
             # The CPU arena stays on: without it, activations in malloc'd blocks took more anonymous memory
             # (Qwen2.5-0.5B, worst-case pass of 1 / 2 / 4 sequences: 460 / 865 / 1,599 MiB against 336 / 557 /
             # 1,014 with the arena), which in low mode is what must fit beside the weights' page cache.

@@ -161,7 +161,7 @@ def test_auto_budget_reads_a_real_cgroup_limit(tmp_path):
         pytest.skip(f"no writable cgroup-v1 memory controller here ({e})")
     try:
         code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
-                "from android_runner.memory_fit import auto_budget_mb; b, why = auto_budget_mb(100.0); print(b, why)")
+                "from android_runner.memory_fit import auto_budget_mb; b, why = auto_budget_mb(); print(b, why)")
         out = subprocess.run([sys.executable, "-c", code, str(group)], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parents[1]).stdout.split(maxsplit=1)
         assert float(out[0]) == pytest.approx(0.8 * 3072) and "cgroup memory limit" in out[1]
