@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +33,12 @@ class Recipe:
     alpha: float = 16.0
     targets: str = "mlp-out"      # LoRA on the MLP output projection only: attention (q/k/v/o) adapters trained on
                                   # short Q&A lost long-context ability (docs/DEMO.md, rows 12-15 vs 16-17)
-    steps: int = 333              # one pass over train.jsonl: (99 questions x 24 + 288 replay snippets) / 8
+    steps: int | None = None      # None: one pass over train.jsonl (99 questions x 24 + 288 replay snippets = 333
+                                  # steps of 8), counted from the data the demo writes
     micro_batch: int = 8
     accum: int = 1
     lr: float = 1.5e-3            # with twice the passes of the x12 / 3e-3 recipe, whose held-out accuracy spread
-                                  # over 39-73% from fp32 noise alone (docs/DEMO.md, session 16)
+                                  # over 39-70% from fp32 noise alone (docs/DEMO.md, session 16)
     qa_repeats: int = 24          # the 99 training questions, each written this many times into train.jsonl
     replay: int = 288             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
     replay_words: int = 80        # ~100 tokens each: long enough to keep every position of the window in shape
@@ -95,6 +96,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     log(f"{counts['records']} days of records, {counts['facts']} facts, {counts['facts'] * 3} training "
         f"questions (x{recipe.qa_repeats}) + {counts['replay']} general-text replay snippets (each used once), "
         f"{counts['heldout']} held-out paraphrases (never trained on)")
+    if recipe.steps is None:
+        recipe = replace(recipe, steps=math.ceil(counts["train_examples"] / (recipe.micro_batch * recipe.accum)))
     timings["data_s"] = time.time() - t
 
     t = _phase(log, 2, f"bundle on the workstation ({model})")
