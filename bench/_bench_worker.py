@@ -380,9 +380,12 @@ def run_gemm(spec: dict) -> dict:
     machine in the same minutes. Without it, `passes` rounds over all products. Result: every sample."""
     import numpy as np
     import onnxruntime as ort
+    import torch
     from onnx import TensorProto, helper
 
     threads = spec["threads"]
+    torch.set_num_threads(threads)
+    libs = ("numpy", "torch", "ort")
     cold_bytes = spec.get("cold_bytes", 64 << 20)
     rng = np.random.default_rng(0)
     t_start = time.perf_counter()
@@ -417,7 +420,7 @@ def run_gemm(spec: dict) -> dict:
             # forward: x [M, K] times W (or W^T for the head, stored [N, K]); backward: dY [M, N] times W^T (head: W)
             t = (trans_b and direction == "fwd") or (not trans_b and direction == "bwd")
             x = rng.standard_normal((m, k if direction == "fwd" else n), dtype=np.float32)
-            for lib in ("numpy", "ort"):
+            for lib in libs:
                 products.append({"m": m, "k": k, "n": n, "trans_b": bool(trans_b), "direction": direction, "lib": lib,
                                  "copies": len(ws), "gflop": 2.0 * m * k * n * len(ws) / 1e9, "x": x, "t": t,
                                  "key": key, "samples": []})
@@ -426,6 +429,9 @@ def run_gemm(spec: dict) -> dict:
         if p["lib"] == "numpy":
             ws, x, t = weights[p["key"]], p["x"], p["t"]
             p["fn"] = (lambda ws=ws, x=x, t=t: [x @ (w.T if t else w) for w in ws])
+        elif p["lib"] == "torch":
+            tws, tx, t = [torch.from_numpy(w) for w in weights[p["key"]]], torch.from_numpy(p["x"]), p["t"]
+            p["fn"] = (lambda ws=tws, x=tx, t=t: [torch.mm(x, w.T if t else w) for w in ws])
         else:
             skey = (p["key"], p["direction"])
             if skey not in sessions:
@@ -443,9 +449,9 @@ def run_gemm(spec: dict) -> dict:
         t0 = time.perf_counter()
         p["fn"]()                                                  # warm-up, not timed
         p["last"] = time.perf_counter() - t0
-    # numpy products first, then ORT: the library changes twice per round, with a pause for the other one's
-    # threads to stop spinning (OpenBLAS busy-waits after a call)
-    products.sort(key=lambda p: p["lib"] != "numpy")
+    # numpy products first, then torch, then ORT: the library changes three times per round, with a pause for
+    # the previous one's threads to stop spinning (OpenBLAS and OpenMP busy-wait after a call)
+    products.sort(key=lambda p: libs.index(p["lib"]))
 
     def sample(p):
         if p["lib"] == "ort":
@@ -495,7 +501,8 @@ def run_gemm(spec: dict) -> dict:
             _log(f"gemm {p['m']}x{p['k']}x{p['n']} {p['direction']} {p['lib']}: {len(rates)} samples, median "
                  f"{float(np.median(rates)):.1f} GFLOP/s")
         out.append({k: p[k] for k in ("m", "k", "n", "trans_b", "direction", "lib", "copies", "gflop", "samples")})
-    return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__, "products": out,
+    return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__,
+            "torch_version": torch.__version__, "libs": list(libs), "products": out,
             "cold_bytes": cold_bytes, "ort_spinning": True, "ort_pause_s": ORT_PAUSE_S, "short_pass_s": SHORT_PASS_S,
             "seconds": round(time.perf_counter() - t_start, 1)}
 

@@ -78,6 +78,7 @@ CGROUP = CGROUP_ROOT / "pocketlora-bench"
 GEMM_M = (64, 128, 256, 512, 1024)   # rows of the activations: in the padding-free body, the real tokens of a
                                      # micro-batch of 1, 2, 4, 8 sequences (an SFT sequence holds 55-128)
 HEAD_M = (32,) + GEMM_M              # at the head, a micro-batch's labelled rows (an SFT sequence holds 6-92)
+GEMM_LIBS = ("numpy", "torch", "ort")   # the GEMM reference's libraries (torch.mm: the peer's kernel, MKL on x86)
 GEMM_TURN_S = 3.5                # the GEMM reference worker's share of each lockstep round (s); 4.5 took the run to 29 min
 # targets of the issue
 TARGET_SPEEDUP = {"lm": 1.2, "sft": 1.5}
@@ -400,17 +401,22 @@ def gemm_records(products: list[dict]) -> list[dict]:
 
 
 def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm: list[dict],
-                   kind: str = "asrun", rows_at: str = "padded") -> dict | None:
-    """What the step's frozen-weight matmuls would take at the measured GEMM rates (best of numpy and ORT,
-    median time, the measured M nearest in log scale) -> the FLOP-weighted GEMM rate.
+                   kind: str = "asrun", rows_at: str = "padded", only: tuple[str, ...] = ()) -> dict | None:
+    """What the step's frozen-weight matmuls would take at the measured GEMM rates (best of the measured
+    libraries, or of those in `only`; median time, the measured M nearest in log scale) -> the FLOP-weighted
+    GEMM rate.
 
     kind "asrun": half of each matmul's FLOPs at the forward rate and half at the backward one (dX = dY W^T),
     as the training session runs them: ORT without prepacking (its training API forbids it), each weight
     read from memory. kind "warm": all of them at the forward rate with the weight prepacked (ORT) and
     repeated on one weight (in cache when it fits): an upper bound the training session cannot reach."""
-    fields = {"asrun": (("asrun_fwd_numpy", "asrun_fwd_ort"), ("asrun_bwd_numpy", "asrun_bwd_ort")),
-              "warm": (("numpy_gflops_median", "ort_gflops_median"),) * 2}[kind]
-    if not gemm or any(f not in g for g in gemm for pair in fields for f in pair):
+    if kind == "asrun":
+        # every library the run measured (torch since 2026-12-02 19:40 UTC), or only those in `libs`
+        libs = [lib for lib in GEMM_LIBS if gemm and f"asrun_fwd_{lib}" in gemm[0] and (not only or lib in only)]
+        fields = tuple(tuple(f"asrun_{d}_{lib}" for lib in libs) for d in ("fwd", "bwd"))
+    else:
+        fields = (("numpy_gflops_median", "ort_gflops_median"),) * 2
+    if not gemm or not fields[0] or any(f not in g for g in gemm for pair in fields for f in pair):
         return None                # results of a bench version that did not measure this kind
     rates: dict[tuple, dict[int, tuple[float, float]]] = {}
     for g in gemm:
@@ -469,11 +475,14 @@ def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict], r
     def gflops(x):
         return flops(x)["total"] / x["seconds"] / 1e9
 
-    def ref(x, kind="asrun"):
-        r = gemm_reference(dims, x["micro_shapes"], head_at, gemm, kind, rows_at)
+    def ref(x, kind="asrun", only=()):
+        r = gemm_reference(dims, x["micro_shapes"], head_at, gemm, kind, rows_at, only)
         return r["gemm_rate"] / 1e9 if r else None
 
     has = {kind: ref(steps[0], kind) is not None for kind in ("asrun", "warm")}
+    # per library (runs that measured torch.mm too): the same step's matmuls on each kernel alone
+    by_lib = ({lib: statistics.median([ref(x, only=(lib,)) for x in best]) for lib in GEMM_LIBS}
+              if gemm and "asrun_fwd_torch" in gemm[0] else None)
 
     cpu = [x for x in steps if "cpu_s" in x]
     return {
@@ -492,6 +501,7 @@ def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict], r
         "efficiency": stats(lambda x: gflops(x) / ref(x)) if has["asrun"] else None,
         "gemm_reference_warm_gflops": statistics.median([ref(x, "warm") for x in best]) if has["warm"] else None,
         "efficiency_warm": stats(lambda x: gflops(x) / ref(x, "warm")) if has["warm"] else None,
+        **({"gemm_reference_by_lib": by_lib} if by_lib else {}),
         "cpu_per_wall": _mm([x["cpu_s"] / x["seconds"] for x in cpu], [x["cpu_s"] / x["seconds"] for x in best if "cpu_s" in x]
                             or [x["cpu_s"] / x["seconds"] for x in cpu]) if cpu else None,
         "peak_rss": max(r["peak_rss"] for r in ok),
@@ -877,7 +887,8 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], pilots: dict, d
     if g["result"] and "gemm-ref" not in ls.failed:
         gemm = gemm_records(g["result"]["products"])
         settings |= {k: g["result"][k] for k in ("cold_bytes", "ort_spinning", "ort_pause_s", "short_pass_s")}
-        log(f"   GEMM reference: {sum(x['n_samples'] for x in gemm)} samples of {len(gemm)} shapes x 4 products")
+        log(f"   GEMM reference: {sum(x['n_samples'] for x in gemm)} samples of {len(gemm)} shapes x "
+            f"{2 * len(g['result'].get('libs', ('numpy', 'ort')))} products")
     else:
         gemm = []
         log(f"   GEMM reference FAILED:\n{ls.failed.get('gemm-ref') or g['log_tail']}")
@@ -1050,7 +1061,7 @@ def combined_gemm(p: dict, name: str) -> list[dict]:
             out[key] = dict(g)
         else:
             for f in ("numpy_gflops_median", "ort_gflops_median", "numpy_gflops_best", "ort_gflops_best",
-                      "asrun_fwd_numpy", "asrun_fwd_ort", "asrun_bwd_numpy", "asrun_bwd_ort"):
+                      *(f"asrun_{d}_{lib}" for d in ("fwd", "bwd") for lib in GEMM_LIBS)):
                 if f in g:
                     out[key][f] = max(out[key].get(f, 0.0), g[f])
     return list(out.values())
@@ -1221,8 +1232,19 @@ def _gemm_description_before(p: dict) -> list[str]:
             "warm: numpy / ORT prepacked |", "|---|---:|---|---:|---:|---:|---:|"]
 
 
+def _by_lib_cells(c: dict) -> str:
+    """' numpy / torch / ORT | achieved / ORT |': the step's matmuls priced on each kernel alone."""
+    lib = c.get("gemm_reference_by_lib")
+    if not lib:
+        return " - | - |"
+    return (" " + " / ".join(f"{lib[x]:.1f}" for x in GEMM_LIBS)
+            + f" | {c['achieved_gflops']['median'] / lib['ort']:.0%} |")
+
+
 def _gemm_description_interleaved(p: dict) -> list[str]:
     m = sorted({x["m"] for g in p["gemm"].values() for x in g})
+    torch_mm = any("asrun_fwd_torch" in x for g in p["gemm"].values() for x in g)
+    libs = "numpy / torch / ORT" if torch_mm else "numpy / ORT"
     st = p.get("gemm_settings") or {"turn_seconds": 4.0}      # the first two such runs (03:10, 03:46) did not say
     spin = ("ORT's threads spin between nodes, as in the training session; each ORT sample starts "
             f"{st['ort_pause_s'] * 1000:.0f} ms after the previous one (another session's pool still spins), and a "
@@ -1242,14 +1264,19 @@ def _gemm_description_interleaved(p: dict) -> list[str]:
             "slice of the [V, H] weight as the training graph runs it: x·Wᵀ and dZ·W);",
             "- on ORT (MatMul; Gemm transB) with prepacking disabled, because ORT's training API refuses it "
             "(`Module` sets `session.disable_prepacking=1`: \"Prepacking is not supported for training "
-            "scenarios\"), and on numpy (OpenBLAS), which reaches close to prepacked rates without prepacking;",
+            "scenarios\"), and on numpy (OpenBLAS), which reaches close to prepacked rates without prepacking;"
+            + (" and on torch (`torch.mm` on the same arrays, 2 threads: the peer's own kernel, MKL in this "
+               "x86 wheel);" if torch_mm else ""),
             "- one sample = one pass over copies of the weight filling >= 64 MiB (twice the L3), each used once: the "
-            "weight comes from memory, as in a pass over the model, not from the 32 MiB L3;",
+            "weight comes from memory, as in a pass over the model, not from the 32 MiB L3;"
+            + (" (the Intel hosts report a 105 MiB L3; there, 256 MiB of copies gave torch.mm the same rates as "
+               "64 MiB within 7%, measured 2026-12-02)" if torch_mm else ""),
             f"- {spin}", "",
             "The \"% of GEMM\" column divides a step's achieved GFLOP/s by the FLOP-weighted rate of that step's "
-            "matmuls: for each, the better of numpy and ORT (median of its samples) at the nearest measured M. "
+            "matmuls: for each, the " + ("best of numpy, torch and ORT" if torch_mm else "better of numpy and ORT")
+            + " (median of its samples) at the nearest measured M. "
             "The better library per product is the harder target: the training session has only ORT's kernel.", "",
-            "| shape | M | K x N | cold copies | x·W numpy / ORT (median GFLOP/s) | dY·Wᵀ numpy / ORT | samples |",
+            f"| shape | M | K x N | cold copies | x·W {libs} (median GFLOP/s) | dY·Wᵀ {libs} | samples |",
             "|---|---:|---|---:|---:|---:|---:|"]
 
 
@@ -1432,16 +1459,19 @@ def render_section(p: dict) -> str:
               *(_gemm_description_interleaved(p) if interleaved else _gemm_description_before(p))]
     for name in p["gemm"]:
         for x in combined_gemm(p, name):
-            asrun = (f"{x['asrun_fwd_numpy']:.1f} / {x['asrun_fwd_ort']:.1f} | "
-                     f"{x['asrun_bwd_numpy']:.1f} / {x['asrun_bwd_ort']:.1f}" if "asrun_fwd_ort" in x else "- | -")
+            libs = [lib for lib in GEMM_LIBS if f"asrun_fwd_{lib}" in x]
+            asrun = (" | ".join(" / ".join(f"{x[f'asrun_{d}_{lib}']:.1f}" for lib in libs) for d in ("fwd", "bwd"))
+                     if "asrun_fwd_ort" in x else "- | -")
             last = (f"{x['n_samples']}" if interleaved
                     else f"{x['numpy_gflops_median']:.1f} / {x['ort_gflops_median']:.1f}")
             lines.append(f"| {name} | {x['m']} | {x['k']} x {x['n']}{' (transB)' if x['trans_b'] else ''} | "
                          f"{x.get('cold_copies', '-')} | {asrun} | {last} |")
+    by_lib = any("gemm_reference_by_lib" in c for r in p["results"] if r.get("ok") for c in r["configs"].values())
     lines += ["", "| shape | workload | config | GFLOP/step (body / LoRA / attention / head) | padded positions | "
               "labelled | achieved GFLOP/s | GEMM-weighted reference GFLOP/s: as run"
-              + ("" if interleaved else " (warm, prepacked)") + " |",
-              "|---|---|---|---|---:|---:|---:|---:|"]
+              + ("" if interleaved else " (warm, prepacked)") + " |"
+              + (" the same on one kernel: numpy / torch / ORT | % of ORT's own kernel |" if by_lib else ""),
+              "|---|---|---|---|---:|---:|---:|---:|" + ("---:|---:|" if by_lib else "")]
     for r in p["results"]:
         if not r.get("ok"):
             continue
@@ -1454,7 +1484,7 @@ def render_section(p: dict) -> str:
                              f"{(c['gemm_reference_gflops'] or float('nan')):.1f}"
                              + (f" ({c['gemm_reference_warm_gflops']:.1f})"
                                 if c.get("gemm_reference_warm_gflops") else "")
-                             + " |")
+                             + " |" + (_by_lib_cells(c) if by_lib else ""))
 
     # low memory
     lm = p.get("lowmem")
