@@ -380,12 +380,13 @@ def run_gemm(spec: dict) -> dict:
     machine in the same minutes. Without it, `passes` rounds over all products. Result: every sample."""
     import numpy as np
     import onnxruntime as ort
-    import torch
     from onnx import TensorProto, helper
 
     threads = spec["threads"]
-    torch.set_num_threads(threads)
-    libs = ("numpy", "torch", "ort")
+    libs = tuple(spec["libs"])                           # the parent's GEMM_LIBS
+    if "torch" in libs:
+        import torch
+        torch.set_num_threads(threads)
     cold_bytes = spec.get("cold_bytes", 64 << 20)
     rng = np.random.default_rng(0)
     t_start = time.perf_counter()
@@ -502,7 +503,7 @@ def run_gemm(spec: dict) -> dict:
                  f"{float(np.median(rates)):.1f} GFLOP/s")
         out.append({k: p[k] for k in ("m", "k", "n", "trans_b", "direction", "lib", "copies", "gflop", "samples")})
     return {"threads": threads, "numpy_version": np.__version__, "ort_version": ort.__version__,
-            "torch_version": torch.__version__, "libs": list(libs), "products": out,
+            "torch_version": torch.__version__ if "torch" in libs else None, "libs": list(libs), "products": out,
             "cold_bytes": cold_bytes, "ort_spinning": True, "ort_pause_s": ORT_PAUSE_S, "short_pass_s": SHORT_PASS_S,
             "seconds": round(time.perf_counter() - t_start, 1)}
 

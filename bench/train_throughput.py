@@ -401,6 +401,11 @@ def gemm_records(products: list[dict]) -> list[dict]:
     return list(recs.values())
 
 
+def gemm_libs(gemm: list[dict]) -> list[str]:
+    """The libraries a run's GEMM records measured as run (torch.mm since 2026-12-02 19:35 UTC), in GEMM_LIBS order."""
+    return [lib for lib in GEMM_LIBS if gemm and f"asrun_fwd_{lib}" in gemm[0]]
+
+
 def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm: list[dict],
                    kind: str = "asrun", rows_at: str = "padded", only: tuple[str, ...] = ()) -> dict | None:
     """What the step's frozen-weight matmuls would take at the measured GEMM rates (best of the measured
@@ -412,8 +417,7 @@ def gemm_reference(dims: dict, micro_shapes: list[list[int]], head_at: str, gemm
     read from memory. kind "warm": all of them at the forward rate with the weight prepacked (ORT) and
     repeated on one weight (in cache when it fits): an upper bound the training session cannot reach."""
     if kind == "asrun":
-        # every library the run measured (torch since 2026-12-02 19:40 UTC), or only those in `libs`
-        libs = [lib for lib in GEMM_LIBS if gemm and f"asrun_fwd_{lib}" in gemm[0] and (not only or lib in only)]
+        libs = [lib for lib in gemm_libs(gemm) if not only or lib in only]
         fields = tuple(tuple(f"asrun_{d}_{lib}" for lib in libs) for d in ("fwd", "bwd"))
     else:
         fields = (("numpy_gflops_median", "ort_gflops_median"),) * 2
@@ -483,7 +487,7 @@ def summarize(records: list[dict], dims: dict, head_at: str, gemm: list[dict], r
     has = {kind: ref(steps[0], kind) is not None for kind in ("asrun", "warm")}
     # per library (runs that measured torch.mm too): the same step's matmuls on each kernel alone
     by_lib = ({lib: statistics.median([ref(x, only=(lib,)) for x in best]) for lib in GEMM_LIBS}
-              if gemm and "asrun_fwd_torch" in gemm[0] else None)
+              if "torch" in gemm_libs(gemm) else None)
 
     cpu = [x for x in steps if "cpu_s" in x]
     return {
@@ -827,7 +831,7 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], pilots: dict, d
         "torch-8x1": ("torch", {**base, "phases": [phase(w, EFFECTIVE_BATCH, 1) for w in wls]}),
         "ort-fit": ("ort", {**base, "memory_budget_mb": budget_mb, "phases": [phase(w, *LEAN) for w in wls]}),
     }
-    workers["gemm-ref"] = ("gemm", {"threads": THREADS, "shapes": gemm_shapes(dims),
+    workers["gemm-ref"] = ("gemm", {"threads": THREADS, "shapes": gemm_shapes(dims), "libs": list(GEMM_LIBS),
                                     "turn_seconds": 0.3 if quick else GEMM_TURN_S})
     slots = ([("lean", ["ort-8x1"], 2)] if lean else []) + [(w, [*keys, "gemm-ref"], warmup + steps) for w in wls]
     log(f"{name}: lockstep of {', '.join(keys)} (ort-fit: --memory-budget {budget_mb:,.0f} MiB), {warmup} warm-up + "
@@ -889,7 +893,7 @@ def lockstep_shape(setup: dict, name: str, workloads: list[str], pilots: dict, d
         gemm = gemm_records(g["result"]["products"])
         settings |= {k: g["result"][k] for k in ("cold_bytes", "ort_spinning", "ort_pause_s", "short_pass_s")}
         log(f"   GEMM reference: {sum(x['n_samples'] for x in gemm)} samples of {len(gemm)} shapes x "
-            f"{2 * len(g['result'].get('libs', ('numpy', 'ort')))} products")
+            f"{2 * len(GEMM_LIBS)} products")
     else:
         gemm = []
         log(f"   GEMM reference FAILED:\n{ls.failed.get('gemm-ref') or g['log_tail']}")
@@ -1045,7 +1049,8 @@ def measure_gemm(dims: dict, sub: Path, quick: bool, when: str) -> dict[str, lis
     gemm: dict[str, list[dict]] = {}
     for name, d in dims.items():
         log(f"GEMM throughput ({when}), {name} shapes")
-        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "passes": 1 if quick else 3},
+        g = run_child("gemm", {"threads": THREADS, "shapes": gemm_shapes(d), "libs": list(GEMM_LIBS),
+                               "passes": 1 if quick else 3},
                       sub / f"{name}-gemm-{when}.log", timeout=900)
         gemm[name] = gemm_records(g.result["products"]) if g.ok else []
         if not g.ok:
@@ -1234,9 +1239,9 @@ def _gemm_description_before(p: dict) -> list[str]:
 
 
 def _by_lib_cells(c: dict, torch_step_s: float | None) -> str:
-    """' numpy / torch / ORT | achieved / ORT | ceiling |': the step's matmuls priced on each kernel alone; the
-    step's share of its own library's kernel (ORT's; PyTorch's torch.mm); and, for ORT, its ORT/PyTorch tok/s if it ran at 100% of that kernel
-    (the step's FLOPs at the ORT-only reference rate, against PyTorch's measured step)."""
+    """' numpy / torch / ORT | % of own kernel | ceiling |': the step's matmuls priced on each kernel alone; the
+    step's share of its own library's kernel (ORT's, or torch.mm for PyTorch); and, for ORT, its ORT/PyTorch
+    tok/s if it ran at 100% of ORT's kernel (the step's FLOPs at the ORT-only rate, against PyTorch's step)."""
     lib = c.get("gemm_reference_by_lib")
     if not lib:
         return " - | - | - |"
@@ -1255,7 +1260,7 @@ def _torch_step(r: dict) -> float | None:
 
 def _gemm_description_interleaved(p: dict) -> list[str]:
     m = sorted({x["m"] for g in p["gemm"].values() for x in g})
-    torch_mm = any("asrun_fwd_torch" in x for g in p["gemm"].values() for x in g)
+    torch_mm = any("torch" in gemm_libs(g) for g in p["gemm"].values())
     libs = "numpy / torch / ORT" if torch_mm else "numpy / ORT"
     st = p.get("gemm_settings") or {"turn_seconds": 4.0}      # the first two such runs (03:10, 03:46) did not say
     spin = ("ORT's threads spin between nodes, as in the training session; each ORT sample starts "
@@ -1471,8 +1476,8 @@ def render_section(p: dict) -> str:
               *(_gemm_description_interleaved(p) if interleaved else _gemm_description_before(p))]
     for name in p["gemm"]:
         for x in combined_gemm(p, name):
-            libs = [lib for lib in GEMM_LIBS if f"asrun_fwd_{lib}" in x]
-            asrun = (" | ".join(" / ".join(f"{x[f'asrun_{d}_{lib}']:.1f}" for lib in libs) for d in ("fwd", "bwd"))
+            asrun = (" | ".join(" / ".join(f"{x[f'asrun_{d}_{lib}']:.1f}" for lib in gemm_libs([x]))
+                                for d in ("fwd", "bwd"))
                      if "asrun_fwd_ort" in x else "- | -")
             last = (f"{x['n_samples']}" if interleaved
                     else f"{x['numpy_gflops_median']:.1f} / {x['ort_gflops_median']:.1f}")
