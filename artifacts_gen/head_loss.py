@@ -157,6 +157,8 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         n("Mul", [p + "nll", scale], [p + "loss_value"]),
         n("Add", [p + "loss_value", p + "surrogate"], ["loss"]),
     ]
+    for i, node in enumerate(nodes):
+        node.name = f"{p}{node.op_type}_{i}"      # named, so that a profile tells the head's kernels apart
     g.node.extend(nodes)
     if len(w_slices) > 1:
         _route_gathers(g, w, w_slices)

@@ -680,25 +680,48 @@ def kernel_events(events: list[dict]) -> list[tuple[str, dict]]:
     return [(e["name"][: -len(suffix)], e) for e in events if e.get("cat") == "Node" and e["name"].endswith(suffix)]
 
 
-def summarize_profile(files: list[Path], step_runs: int) -> dict:
+def _gemm_kind(node: str, shapes: list[list[int]], out: list[int], rank: int) -> str:
+    """What a matmul kernel computes: the chunked LM head (head_loss's node prefix), a LoRA product (one side
+    of rank `rank`), attention's batched products, or the body's frozen linear layers."""
+    if node.startswith("/chunked_head/"):
+        return "head"
+    if any(min(s[-2:]) <= rank for s in (*shapes, out) if len(s) >= 2):
+        return "lora"
+    return "attention" if math.prod(out[:-2]) > 1 else "body"
+
+
+def _gemm_flops(shapes: list[list[int]], out: list[int]) -> int:
+    """2 * outputs * contracted length; the contracted length is what A's last two dims hold besides the output's
+    rows (whichever of them is transposed)."""
+    rows = out[-2] if len(out) >= 2 else 1
+    if not rows or len(shapes[0]) < 2:
+        return 0
+    return 2 * math.prod(out) * (math.prod(shapes[0][-2:]) // rows)
+
+
+def summarize_profile(files: list[Path], step_runs: int, rank: int = LORA["r"]) -> dict:
     """ORT profiler output -> kernel time of the last optimizer step (its last `step_runs` model runs of
-    the training session) by op type and by node, plus the largest node outputs."""
-    events = [e for f in files for e in _profile_events(f.read_text())]
+    the training session) by op type and by node, plus the largest node outputs, and the matmuls' FLOPs and
+    rates by kind (body, head, LoRA, attention).
+
+    Each session profiles into its own file, with timestamps relative to that session's start: the training
+    session is the file whose kernels include matmuls (the optimizer session has none), and its runs are
+    matched with its own kernels only (mixing the files' clocks had picked the optimizer's run, with
+    training kernels that happened to fall into its window)."""
+    per_file = [[e for e in _profile_events(f.read_text())] for f in files]
+    per_file = [ev for ev in per_file if any(e["args"].get("op_name") in MATMUL_OPS for _, e in kernel_events(ev))]
+    if len(per_file) != 1:
+        raise ValueError(f"profile: expected one training-session file among {len(files)}, found {len(per_file)}")
+    events = per_file[0]
     nodes = [e for _, e in kernel_events(events)]
-    matmul_ts = sorted(e["ts"] for e in nodes if e["args"].get("op_name") in MATMUL_OPS)
-
-    def training(run: dict) -> bool:      # the optimizer session's runs have no matmul
-        i = bisect.bisect_left(matmul_ts, run["ts"])
-        return i < len(matmul_ts) and matmul_ts[i] <= run["ts"] + run["dur"]
-
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run" and training(e)),
-                  key=lambda e: e["ts"])
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
     windows = [(e["ts"], e["ts"] + e["dur"]) for e in runs[-step_runs:]]
     kernels = [e for e in nodes if any(a <= e["ts"] <= b for a, b in windows)]
     run_us = sum(b - a for a, b in windows)
     by_op: dict[str, float] = {}
     by_node: dict[str, list] = {}
     out_bytes: dict[str, list] = {}
+    gemm: dict[str, list] = {}
     for e in kernels:
         op = e["args"].get("op_name", "?")
         by_op[op] = by_op.get(op, 0.0) + e["dur"]
@@ -708,11 +731,20 @@ def summarize_profile(files: list[Path], step_runs: int) -> dict:
         if size:
             prev = out_bytes.get(node, [op, 0])
             out_bytes[node] = [op, max(prev[1], size)]
+        if op in MATMUL_OPS:
+            shapes = [next(iter(d.values())) for d in e["args"].get("input_type_shape", [])]
+            out = next(iter(e["args"]["output_type_shape"][0].values()))
+            g = gemm.setdefault(_gemm_kind(node, shapes, out, rank), [0, 0.0, 0])
+            g[0] += 1
+            g[1] += e["dur"]
+            g[2] += _gemm_flops(shapes, out)
     kernel_us = sum(by_op.values())
     return {
         "step_runs": len(windows), "model_run_ms": run_us / 1e3, "kernel_ms": kernel_us / 1e3,
         "by_op_ms": dict(sorted(((k, v / 1e3) for k, v in by_op.items()), key=lambda kv: -kv[1])),
         "matmul_ms": sum(v for k, v in by_op.items() if k in MATMUL_OPS) / 1e3,
+        "gemm_by_kind": {k: {"calls": n, "ms": us / 1e3, "gflop": fl / 1e9, "gflops": fl / us / 1e3 if us else 0.0}
+                         for k, (n, us, fl) in sorted(gemm.items(), key=lambda kv: -kv[1][1])},
         "top_nodes": [[n, op, us / 1e3] for n, (op, us) in sorted(by_node.items(), key=lambda kv: -kv[1][1])[:12]],
         "largest_outputs": [[n, op, b] for n, (op, b) in sorted(out_bytes.items(), key=lambda kv: -kv[1][1])[:12]],
     }
@@ -1615,6 +1647,12 @@ def render_analysis(p: dict) -> list[str]:
             lines.append(f"- **{key}**: step {x['step_seconds']:.2f} s; model runs {x['model_run_ms']:,.0f} ms, of which "
                          f"kernels {x['kernel_ms']:,.0f} ms; MatMul/FusedMatMul/Gemm {x['matmul_ms']:,.0f} ms "
                          f"({x['matmul_ms'] / x['model_run_ms']:.0%}). By op: {top}.")
+            if x.get("gemm_by_kind"):
+                kinds = "; ".join(f"{k} {g['ms']:,.0f} ms for {g['gflop']:,.1f} GFLOP = {g['gflops']:,.0f} GFLOP/s"
+                                  for k, g in x["gemm_by_kind"].items())
+                rest = x["model_run_ms"] - x["matmul_ms"]
+                lines.append(f"  Matmuls by kind (FLOPs from the kernels' shapes): {kinds}. Everything else (other kernels "
+                             f"and the gaps between them): {rest:,.0f} ms ({rest / x['model_run_ms']:.0%}).")
             nodes = "; ".join(f"`{n}` ({op}) {ms:,.0f} ms" for n, op, ms in x["top_nodes"][:6])
             lines.append(f"  Slowest nodes: {nodes}.")
             outs = "; ".join(f"`{n}` ({op}) {b / 2**20:,.0f} MiB" for n, op, b in x["largest_outputs"][:5])
