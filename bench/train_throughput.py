@@ -31,7 +31,6 @@ sources, LoRA settings) are unchanged. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import bisect
 import datetime as dt
 import json
 import math
@@ -708,7 +707,7 @@ def summarize_profile(files: list[Path], step_runs: int, rank: int = LORA["r"]) 
     session is the file whose kernels include matmuls (the optimizer session has none), and its runs are
     matched with its own kernels only (mixing the files' clocks had picked the optimizer's run, with
     training kernels that happened to fall into its window)."""
-    per_file = [[e for e in _profile_events(f.read_text())] for f in files]
+    per_file = [_profile_events(f.read_text()) for f in files]
     per_file = [ev for ev in per_file if any(e["args"].get("op_name") in MATMUL_OPS for _, e in kernel_events(ev))]
     if len(per_file) != 1:
         raise ValueError(f"profile: expected one training-session file among {len(files)}, found {len(per_file)}")
