@@ -656,6 +656,7 @@ def _lowmem_summary(c: ChildResult) -> dict:
 # ------------------------------------------------------------------------------------ profiling
 
 MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm")
+HEAD_PREFIX = "/chunked_head/"   # artifacts_gen.head_loss.PREFIX, not imported: head_loss pulls torch into this process
 
 
 def _profile_events(text: str) -> list[dict]:
@@ -680,9 +681,9 @@ def kernel_events(events: list[dict]) -> list[tuple[str, dict]]:
 
 
 def _gemm_kind(node: str, shapes: list[list[int]], out: list[int], rank: int) -> str:
-    """What a matmul kernel computes: the chunked LM head (head_loss's node prefix), a LoRA product (one side
+    """What a matmul kernel computes: the chunked LM head (its nodes' name prefix), a LoRA product (one side
     of rank `rank`), attention's batched products, or the body's frozen linear layers."""
-    if node.startswith("/chunked_head/"):
+    if node.startswith(HEAD_PREFIX):
         return "head"
     if any(min(s[-2:]) <= rank for s in (*shapes, out) if len(s) >= 2):
         return "lora"

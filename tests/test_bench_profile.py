@@ -30,7 +30,7 @@ def test_summary_reads_the_training_session_only(tmp_path):
         _kernel("warm", "MatMul", 120, 200, [[64, 32], [32, 16]], [64, 16]),
         run(1000, 500),                                                     # the measured step
         _kernel("body", "MatMul", 1010, 100, [[1, 64, 32], [32, 16]], [1, 64, 16]),
-        _kernel("/chunked_head/Gemm_7", "Gemm", 1120, 50, [[64, 32], [100, 32]], [64, 100]),
+        _kernel(tt.HEAD_PREFIX + "Gemm_7", "Gemm", 1120, 50, [[64, 32], [100, 32]], [64, 100]),
         _kernel("lora", "FusedMatMul", 1180, 10, [[1, 64, 32], [2, 32]], [1, 64, 2]),
         _kernel("scores", "MatMul", 1200, 20, [[2, 4, 64, 8], [2, 4, 8, 64]], [2, 4, 64, 64]),
         _kernel("act", "Mul", 1300, 40, [[64, 16], [64, 16]], [64, 16]),
@@ -65,3 +65,9 @@ def test_summary_refuses_profiles_without_one_training_session(tmp_path):
         assert "training-session" in str(e)
     else:
         raise AssertionError("a profile with no matmul was summarized")
+
+
+def test_head_prefix_is_the_one_head_loss_names_its_nodes_with():
+    from artifacts_gen import head_loss
+
+    assert tt.HEAD_PREFIX == head_loss.PREFIX

@@ -130,6 +130,8 @@ def test_online_softmax_head_against_numpy(tmp_path, softcap):
     model.ir_version = 9
     head_loss.chunk_head_loss(model, chunks=2, min_rows=16, softcap=softcap, vocab_cols=192)   # 6 slices of 192
     assert sum(i.name.startswith("/chunked_head/w") for i in model.graph.initializer) == 6
+    head_gemms = [n for n in model.graph.node if n.op_type == "Gemm"]   # named, so that a profile tells them apart
+    assert len(head_gemms) == 2 * 2 * 6 and all(n.name.startswith(head_loss.PREFIX) for n in head_gemms)
     model.graph.output.append(helper.make_tensor_value_info("/chunked_head/g", TensorProto.FLOAT, None))
     onnx.save(model, str(tmp_path / "head.onnx"))
 
