@@ -770,7 +770,11 @@ def profile_runs(setups: dict, data: dict, sub: Path, results: list[dict], quick
             if not c.ok or not files:
                 out[f"{r['shape']} {m}x{a}"] = {"ok": False, "log": _tail(c.log_path)}
                 continue
-            summ = summarize_profile(files, a)
+            try:
+                summ = summarize_profile(files, a)
+            except ValueError as e:          # e.g. a truncated file: one failed profile, not a lost run
+                out[f"{r['shape']} {m}x{a}"] = {"ok": False, "log": str(e)}
+                continue
             summ["step_seconds"] = _measured(c.result)[0]["seconds"]
             summ["ok"] = True
             out[f"{r['shape']} {m}x{a}"] = summ
