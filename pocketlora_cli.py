@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ort_trainer.settings import add_arguments, from_args
+
 
 def _gen(args) -> None:
     from artifacts_gen.build import build_bundle
@@ -64,28 +66,15 @@ def _train(args) -> None:
     from android_runner.gate import GateConfig
     from android_runner.loop import RunConfig, train
 
+
     gate = GateConfig(slow_below=args.slow_below, slow_factor=args.slow_factor, pause_below=args.pause_below,
                       resume_above=args.resume_above, max_temp=args.max_temp)
     cfg = RunConfig(
-        bundle=str(args.bundle), data=str(args.data), epochs=args.epochs, max_steps=args.max_steps,
-        micro_batch=args.micro_batch, accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
-        clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
-        group_by_length=args.group_by_length, save_every=args.save_every, battery=args.battery, gate=asdict(gate), threads=args.threads, memory=args.memory,
-        memory_budget=args.memory_budget,
+        **from_args(args), bundle=str(args.bundle), data=str(args.data), epochs=args.epochs,
+        max_steps=args.max_steps, save_every=args.save_every, battery=args.battery, gate=asdict(gate),
+        threads=args.threads, memory=args.memory, memory_budget=args.memory_budget,
     )
     train(cfg, args.out)
-
-
-def _add_hyperparameters(p) -> None:
-    """The options that define a training run; shared by `train` and `eval parity`."""
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--accum", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
-    p.add_argument("--clip", type=float, default=1.0, help="max global grad norm; 0 disables")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="data order")
 
 
 def _add_train(sub) -> None:
@@ -96,9 +85,7 @@ def _add_train(sub) -> None:
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--epochs", type=int)
     steps.add_argument("--max-steps", type=int)
-    _add_hyperparameters(p)
-    p.add_argument("--group-by-length", action="store_true",
-                   help="micro-batches of examples of similar length (less padding; for mixed short/long data)")
+    add_arguments(p)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--battery", default="auto", help="auto|android-sysfs|dumpsys|termux|linux|replay:TRACE.csv|none")
     p.add_argument("--slow-below", type=float, default=60.0)
@@ -190,9 +177,7 @@ def _eval_parity(args) -> None:
     from eval.parity import ParityConfig, run_parity
 
     report = run_parity(ParityConfig(
-        bundle=args.bundle, data=args.data, out=args.out, steps=args.steps, micro_batch=args.micro_batch,
-        accum=args.accum, lr=args.lr, warmup=args.warmup, schedule=args.schedule,
-        clip=args.clip if args.clip > 0 else None, weight_decay=args.weight_decay, seed=args.seed,
+        **from_args(args), bundle=args.bundle, data=args.data, out=args.out, steps=args.steps,
         heldout=args.heldout, ppl_seq_len=args.seq_len, ppl_stride=args.stride,
         heldout_max_tokens=args.max_tokens, mmlu_data=args.mmlu_data, mmlu_subjects=args.mmlu_subjects,
         mmlu_limit=args.mmlu_limit, mmlu_split=args.mmlu_split, shots=args.shots, threads=args.threads,
@@ -247,7 +232,7 @@ def _add_eval(sub) -> None:
     q.add_argument("--data", required=True, help="training file (as for `pocketlora train`)")
     q.add_argument("--out", required=True, help="report directory (report.md, report.json, plots, both runs)")
     q.add_argument("--steps", type=int, default=200)
-    _add_hyperparameters(q)
+    add_arguments(q)
     q.add_argument("--heldout", help="text file for the held-out perplexity check")
     q.add_argument("--seq-len", type=int, default=None, help="perplexity window (default: the bundle's seq_len)")
     q.add_argument("--stride", type=int, default=None, help="perplexity stride (default: min(128, seq-len))")

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from ort_trainer import checkpoint
 from ort_trainer.bundle import open_bundle
-from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples
+from ort_trainer.data import TextTokenizer, data_order, load_examples, step_batches
 from ort_trainer.memory import trim_heap
 from ort_trainer.optimizer_graph import AdamWSpec
-from ort_trainer.schedule import SCHEDULES, lr_at
+from ort_trainer.schedule import lr_at
 from ort_trainer.session import RuntimeOptions, TrainSession
+from ort_trainer.settings import NAMES as SETTINGS, SettingsError, TrainSettings
 from ort_trainer.step import train_step
 
 from .gate import GateConfig, GateState, GateTracker
@@ -37,21 +38,13 @@ class RunError(ValueError):
     pass
 
 
-@dataclass
-class RunConfig:
+@dataclass(kw_only=True)
+class RunConfig(TrainSettings):
+    """A device run: the training settings, what to train on, and how this device runs it."""
     bundle: str
     data: str
     epochs: int | None = None
     max_steps: int | None = None
-    micro_batch: int = 1
-    accum: int = 8
-    lr: float = 2e-4
-    warmup: int = 10
-    schedule: str = "cosine"
-    clip: float | None = 1.0
-    weight_decay: float = 0.0
-    seed: int = 0
-    group_by_length: bool = False   # micro-batches of similar lengths (DataOrder lengths=): less padding
     save_every: int = 50
     # Not part of the training's definition: may change between resumes.
     battery: str = "auto"
@@ -60,19 +53,17 @@ class RunConfig:
     memory: str = "normal"
     memory_budget: str | None = None   # MiB or "auto": split the effective batch by measuring (memory_fit.py)
 
-    FIXED = ("bundle", "data", "epochs", "max_steps", "micro_batch", "accum", "lr", "warmup", "schedule",
-             "clip", "weight_decay", "seed", "group_by_length")
+    FIXED = ("bundle", "data", "epochs", "max_steps", *SETTINGS)
 
     def validate(self) -> None:
         if (self.epochs is None) == (self.max_steps is None):
             raise RunError("give exactly one of --epochs N or --max-steps N")
-        for name in ("micro_batch", "accum", "save_every"):
-            if getattr(self, name) < 1:
-                raise RunError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.schedule not in SCHEDULES:
-            raise RunError(f"--schedule {self.schedule}: use one of {', '.join(SCHEDULES)}")
-        if self.lr <= 0:
-            raise RunError("--lr must be > 0")
+        try:
+            super().validate()
+        except SettingsError as e:
+            raise RunError(str(e)) from None
+        if self.save_every < 1:
+            raise RunError("--save-every must be >= 1")
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)
         GateConfig(**self.gate).validate()
@@ -155,8 +146,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     if not resuming:
         _record_config(run_dir, cfg)
 
-    order = DataOrder(len(examples), cfg.seed, cfg.micro_batch,
-                      lengths=[len(e.input_ids) for e in examples] if cfg.group_by_length else None)
+    order = data_order(examples, cfg.seed, cfg.micro_batch, cfg.group_by_length)
     steps_per_epoch = max(1, order.steps_per_epoch() // cfg.accum)
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     step = 0
@@ -199,7 +189,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
             continue
 
         position = order.state_dict()
-        micro = [collate([examples[i] for i in order.next_batch()[0]], pad_id) for _ in range(cfg.accum)]
+        micro = step_batches(examples, order, cfg.accum, pad_id)
         lr = lr_at(step, cfg.lr, cfg.warmup, total, cfg.schedule)
         result = train_step(session, micro, lr, should_stop=stop)
         if result is None:                           # signal mid-step: that step runs again on resume

@@ -156,11 +156,11 @@ def setup(spec: dict) -> dict:
 
 def _batches(spec: dict, pad_id: int, examples, micro: int, accum: int):
     """The micro-batches android_runner/loop.py builds: DataOrder(n, seed, micro), accum of them per step."""
-    from ort_trainer.data import DataOrder, collate
+    from ort_trainer.data import data_order, step_batches
 
-    order = DataOrder(len(examples), spec.get("seed", 0), micro)
+    order = data_order(examples, spec.get("seed", 0), micro)
     while True:
-        yield [collate([examples[i] for i in order.next_batch()[0]], pad_id) for _ in range(accum)]
+        yield step_batches(examples, order, accum, pad_id)
 
 
 def _shapes(micro_batches) -> list[list[int]]:

@@ -20,15 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ort_trainer.settings import TrainSettings, to_argv
+
 from .demo_data import write_device_data
 from .generate import greedy_generate
 
 TRACE = Path(__file__).resolve().parents[1] / "android_runner" / "traces" / "evening_charger.csv"
 
 
-@dataclass
-class Recipe:
-    """The fine-tuning recipe, tuned on this machine (see README)."""
+@dataclass(kw_only=True)
+class Recipe(TrainSettings):
+    """The fine-tuning recipe, tuned on this machine (docs/DEMO.md): the training settings it overrides, and
+    the model, data and report settings of the demo."""
     r: int = 8
     alpha: float = 16.0
     targets: str = "mlp-out"      # LoRA on the MLP output projection only: attention (q/k/v/o) adapters trained on
@@ -199,10 +202,8 @@ def _train_on_device(bundle_dir: Path, data: Path, run_dir: Path, recipe: Recipe
     from android_runner.loop import SUMMARY
 
     cmd = [sys.executable, "-m", "pocketlora_cli", "train", "--bundle", str(bundle_dir), "--data", str(data),
-           "--out", str(run_dir), "--max-steps", str(recipe.steps), "--micro-batch", str(recipe.micro_batch),
-           "--accum", str(recipe.accum), "--lr", str(recipe.lr), "--warmup", str(recipe.warmup),
+           "--out", str(run_dir), "--max-steps", str(recipe.steps), *to_argv(recipe.train_settings()),
            "--save-every", str(max(10, recipe.steps // 4)), "--battery", f"replay:{TRACE}@{recipe.trace_speed:g}"]
-    cmd += ["--group-by-length"] if recipe.group_by_length else []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]) as proc:
         for line in proc.stdout:
             log(line.rstrip())

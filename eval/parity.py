@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from ort_trainer.bundle import Bundle, open_bundle
-from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples
+from ort_trainer.data import TextTokenizer, data_order, load_examples, step_batches
 from ort_trainer.export import to_peft
+from ort_trainer.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]
 ORT_RUN = "ort_run"
@@ -56,20 +57,12 @@ class ParityError(RuntimeError):
     pass
 
 
-@dataclass
-class ParityConfig:
+@dataclass(kw_only=True)
+class ParityConfig(TrainSettings):
     bundle: str
     data: str
     out: str
     steps: int = 200
-    micro_batch: int = 1
-    accum: int = 8
-    lr: float = 2e-4
-    warmup: int = 10
-    schedule: str = "cosine"
-    clip: float | None = 1.0
-    weight_decay: float = 0.0
-    seed: int = 0
     heldout: str | None = None
     ppl_seq_len: int | None = None        # default: the bundle's seq_len
     ppl_stride: int | None = None         # default: min(128, seq_len)
@@ -84,10 +77,9 @@ class ParityConfig:
     force: bool = False                   # replace an existing ort_run / torch_run in out
 
     def validate(self) -> None:
-        if self.steps < 1 or self.micro_batch < 1 or self.accum < 1:
-            raise ValueError("--steps, --micro-batch and --accum must be >= 1")
-        if self.lr <= 0:
-            raise ValueError("--lr must be > 0")
+        super().validate()
+        if self.steps < 1:
+            raise ValueError("--steps must be >= 1")
         if self.shots < 0:
             raise ValueError("--shots must be >= 0")
         for name in ("bundle", "data", "heldout", "mmlu_data"):
@@ -106,14 +98,12 @@ class ParityConfig:
 # --------------------------------------------------------------------------------------------
 # Shared definitions: the data both sides train on, and the PyTorch model
 # --------------------------------------------------------------------------------------------
-def step_batches(bundle: Bundle, data: str | Path, steps: int, micro_batch: int, accum: int,
-                 seed: int) -> list[list[dict[str, np.ndarray]]]:
+def parity_steps(bundle: Bundle, data: str | Path, steps: int, settings: TrainSettings) -> list[list[dict[str, np.ndarray]]]:
     """The micro-batches of each optimizer step, exactly as android_runner.loop builds them."""
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     examples, _ = load_examples(data, tok, bundle.manifest.seq_len)
-    order = DataOrder(len(examples), seed, micro_batch)
-    return [[collate([examples[i] for i in order.next_batch()[0]], tok.pad_id) for _ in range(accum)]
-            for _ in range(steps)]
+    order = data_order(examples, settings.seed, settings.micro_batch, settings.group_by_length)
+    return [step_batches(examples, order, settings.accum, tok.pad_id) for _ in range(steps)]
 
 
 def split_source(source: str) -> tuple[Path, str | None]:
@@ -154,10 +144,8 @@ def torch_lora_model(manifest, peft_state: dict[str, np.ndarray] | None = None, 
 def ort_side(cfg: ParityConfig, log=print) -> dict:
     from android_runner.loop import RunConfig, train
 
-    rc = RunConfig(bundle=cfg.bundle, data=cfg.data, max_steps=cfg.steps, micro_batch=cfg.micro_batch,
-                   accum=cfg.accum, lr=cfg.lr, warmup=cfg.warmup, schedule=cfg.schedule, clip=cfg.clip,
-                   weight_decay=cfg.weight_decay, seed=cfg.seed, save_every=cfg.steps, battery="none",
-                   threads=cfg.threads)
+    rc = RunConfig(**asdict(cfg.train_settings()), bundle=cfg.bundle, data=cfg.data, max_steps=cfg.steps,
+                   save_every=cfg.steps, battery="none", threads=cfg.threads)
     return train(rc, Path(cfg.out) / ORT_RUN, log=log, progress=False)
 
 
@@ -175,13 +163,12 @@ def torch_side(cfg: ParityConfig, log=print) -> dict:
     t0 = time.perf_counter()
     bundle = open_bundle(cfg.bundle, verify="sizes")
     man = bundle.manifest
-    steps = step_batches(bundle, cfg.data, cfg.steps, cfg.micro_batch, cfg.accum, cfg.seed)
+    steps = parity_steps(bundle, cfg.data, cfg.steps, cfg)
     model = torch_lora_model(man, to_peft(man, initial_lora(bundle)))
     setup_s = time.perf_counter() - t0
     opt = man.optimizer
-    tc = TrainConfig(lr=cfg.lr, betas=(float(opt["beta1"]), float(opt["beta2"])), eps=float(opt["eps"]),
-                     weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule=cfg.schedule,
-                     total_steps=cfg.steps, clip=cfg.clip)
+    tc = TrainConfig(**asdict(cfg.train_settings()), betas=(float(opt["beta1"]), float(opt["beta2"])),
+                     eps=float(opt["eps"]), total_steps=cfg.steps)
     log(f"PyTorch reference: {cfg.steps} steps x {cfg.accum} micro-batches of {cfg.micro_batch}; "
         f"AdamW betas {tc.betas} eps {tc.eps} weight_decay {tc.weight_decay}, clip {tc.clip}, {tc.schedule}")
 

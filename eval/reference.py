@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ort_trainer.settings import TrainSettings
+
 IGNORE_INDEX = -100
 SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -27,15 +29,12 @@ TrainProgress = Callable[[int, int, float], None]
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    lr: float = 2e-4
+class TrainConfig(TrainSettings):
+    """The training settings, plus what the reference needs besides the batches it is handed
+    (micro_batch, accum, seed and group_by_length shaped those batches; they are not read here)."""
+    total_steps: int
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup: int = 10
-    schedule: str = "cosine"          # cosine | linear | constant (all with linear warmup)
-    total_steps: int
-    clip: float | None = 1.0          # None: no clipping (the norm is still logged)
 
     def scheduler_name(self) -> str:
         try:

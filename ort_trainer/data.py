@@ -918,8 +918,20 @@ class DataOrder:
         self.epoch, self.position = epoch, position
 
 
+def data_order(examples: Sequence[Example], seed: int, micro_batch: int, group_by_length: bool = False) -> DataOrder:
+    """The order a run takes its micro-batches in (length grouping uses each example's token count)."""
+    return DataOrder(len(examples), seed, micro_batch,
+                     lengths=[len(e.input_ids) for e in examples] if group_by_length else None)
+
+
+def step_batches(examples: Sequence[Example], order: DataOrder, accum: int, pad_id: int) -> list[dict[str, np.ndarray]]:
+    """The micro-batches of one optimizer step: the next `accum` micro-batches of `order`, collated."""
+    return [collate([examples[i] for i in order.next_batch()[0]], pad_id) for _ in range(accum)]
+
+
 __all__ = [
     "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "CHAT_ROLES", "DataError", "DataOrder", "DataReport", "Example",
     "IGNORE_INDEX", "PLAIN_CHAT_TEMPLATE", "SUPPORTED_EXTENSIONS", "TEXT_CHUNK_LINES", "TextTokenizer",
-    "alpaca_prompt", "collate", "load_examples", "loss_token_count", "tokenize_text",
+    "alpaca_prompt", "collate", "data_order", "load_examples", "loss_token_count", "step_batches",
+    "tokenize_text",
 ]

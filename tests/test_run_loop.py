@@ -17,6 +17,7 @@ import pytest
 
 from android_runner.gate import GateConfig
 from android_runner.loop import RunConfig, RunError, train
+from ort_trainer.settings import to_argv
 from ort_trainer import checkpoint
 from ort_trainer.export import load_lora
 from tests.bundle_helpers import build_tiny_bundle
@@ -44,8 +45,7 @@ def _cfg(bundle, data, **kw) -> RunConfig:
 
 def _cli_args(cfg: RunConfig, out: Path) -> list[str]:
     return [sys.executable, "-m", "pocketlora_cli", "train", "--bundle", cfg.bundle, "--data", cfg.data,
-            "--out", str(out), "--max-steps", str(cfg.max_steps), "--micro-batch", str(cfg.micro_batch),
-            "--accum", str(cfg.accum), "--lr", str(cfg.lr), "--warmup", str(cfg.warmup),
+            "--out", str(out), "--max-steps", str(cfg.max_steps), *to_argv(cfg.train_settings()),
             "--save-every", str(cfg.save_every), "--battery", cfg.battery, "--threads", str(cfg.threads)]
 
 
