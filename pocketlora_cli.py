@@ -108,7 +108,7 @@ def _export(args) -> None:
     from android_runner.loop import RUN_CONFIG
     from ort_trainer import checkpoint
     from ort_trainer.bundle import open_bundle
-    from ort_trainer.export import export_onnx, export_peft, load_lora
+    from ort_trainer.adapter import export_onnx, export_peft, load_lora
 
     import json
     from pathlib import Path
@@ -266,7 +266,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     except ImportError:   # a device install has no workstation extras
         pass
     try:
-        from ort_trainer.data import DataError
+        from ort_trainer.tokenizer import DataError
 
         from android_runner.loop import RunError
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from ort_trainer import checkpoint
 from ort_trainer.bundle import open_bundle
-from ort_trainer.data import TextTokenizer, data_order, load_examples, step_batches
+from ort_trainer.tokenizer import TextTokenizer
+from ort_trainer.records import load_examples
+from ort_trainer.batching import data_order, step_batches
 from ort_trainer.memory import trim_heap
 from ort_trainer.optimizer_graph import AdamWSpec
 from ort_trainer.schedule import lr_at

@@ -64,7 +64,7 @@ def _done(spec: dict, what: str = STEP_DONE) -> None:
 
 def _examples(spec: dict, ph: dict, tok, seq_len: int, cache: dict):
     """A phase's examples (its own "data", else the spec's), tokenized once per file."""
-    from ort_trainer.data import load_examples
+    from ort_trainer.records import load_examples
 
     path = ph.get("data", spec.get("data"))
     if path not in cache:
@@ -156,7 +156,7 @@ def setup(spec: dict) -> dict:
 
 def _batches(spec: dict, pad_id: int, examples, micro: int, accum: int):
     """The micro-batches android_runner/loop.py builds: DataOrder(n, seed, micro), accum of them per step."""
-    from ort_trainer.data import data_order, step_batches
+    from ort_trainer.batching import data_order, step_batches
 
     order = data_order(examples, spec.get("seed", 0), micro)
     while True:
@@ -165,7 +165,7 @@ def _batches(spec: dict, pad_id: int, examples, micro: int, accum: int):
 
 def _shapes(micro_batches) -> list[list[int]]:
     """Per micro-batch: [B, L, real tokens, labelled tokens (shifted)]."""
-    from ort_trainer.data import loss_token_count
+    from ort_trainer.records import loss_token_count
 
     return [[int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1]), int(mb["attention_mask"].sum()),
              loss_token_count(mb["labels"])] for mb in micro_batches]
@@ -179,7 +179,7 @@ def run_ort(spec: dict) -> dict:
     sys.path.insert(0, str(REPO))
     t_start = time.perf_counter()
     from ort_trainer.bundle import open_bundle
-    from ort_trainer.data import TextTokenizer
+    from ort_trainer.tokenizer import TextTokenizer
     from ort_trainer.memory import trim_heap
     from ort_trainer.session import RuntimeOptions, TrainSession
     from ort_trainer.step import train_step
@@ -283,7 +283,7 @@ def run_torch(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from eval.reference import TrainConfig, make_peft_model, reference_train
-    from ort_trainer.data import TextTokenizer
+    from ort_trainer.tokenizer import TextTokenizer
     from ort_trainer.memory import trim_heap
     from android_runner.metrics import reset_peak_rss
 

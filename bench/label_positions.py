@@ -54,7 +54,9 @@ def main(argv=None) -> int:
         return 0
 
     from ort_trainer.bundle import open_bundle
-    from ort_trainer.data import DataOrder, TextTokenizer, collate, load_examples, loss_token_count
+    from ort_trainer.tokenizer import TextTokenizer
+    from ort_trainer.records import load_examples, loss_token_count
+    from ort_trainer.batching import collate, DataOrder
     from ort_trainer.session import RuntimeOptions, TrainSession
 
     if args.workdir is None:

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ort_trainer.bundle import Bundle
-from ort_trainer.data import DataError, TextTokenizer, tokenize_text
+from ort_trainer.tokenizer import DataError, TextTokenizer, tokenize_text
 from ort_trainer.session import RuntimeOptions
 
 from .metrics import LETTERS, MMLUResult, PerplexityResult, mmlu_eval, perplexity
@@ -88,7 +88,7 @@ def make_scorer(bundle: Bundle, lora: dict[str, np.ndarray], backend: str, threa
 
         return OrtScorer(bundle, lora, RuntimeOptions(threads=threads))
     if backend == "torch":
-        from ort_trainer.export import to_peft
+        from ort_trainer.adapter import to_peft
 
         from .parity import torch_lora_model
         from .torch_scorer import TorchScorer

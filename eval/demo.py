@@ -64,7 +64,7 @@ def _phase(log, k: int, title: str) -> float:
 
 
 def _answers(scorer, tok, questions: list[str], max_new: int) -> list[str]:
-    from ort_trainer.data import generation_prompt_ids
+    from ort_trainer.tokenizer import generation_prompt_ids
 
     prompts = [generation_prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
     stop = {i for i in (tok.eos_id,) if i is not None} | set(tok.encode("\n", add_special_tokens=False)[-1:])
@@ -78,8 +78,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     from artifacts_gen.source import EMBEDDED_DEFAULT
     from ort_trainer import checkpoint
     from ort_trainer.bundle import open_bundle
-    from ort_trainer.data import TextTokenizer, tokenize_text
-    from ort_trainer.export import export_onnx, load_lora
+    from ort_trainer.tokenizer import TextTokenizer, tokenize_text
+    from ort_trainer.adapter import export_onnx, load_lora
     from ort_trainer.session import EvalSession
 
     from .cli import bos_windows

@@ -22,8 +22,8 @@ import numpy as np
 from ort_trainer import checkpoint
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import Bundle, open_bundle
-from ort_trainer.data import IGNORE_INDEX, loss_token_count
-from ort_trainer.export import load_lora
+from ort_trainer.records import IGNORE_INDEX, loss_token_count
+from ort_trainer.adapter import load_lora
 from ort_trainer.session import EvalSession, RuntimeOptions
 
 # Rows per graph run are limited so that the model's full logits block ([rows, seq, V] float32,

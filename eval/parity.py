@@ -35,8 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from ort_trainer.bundle import Bundle, open_bundle
-from ort_trainer.data import TextTokenizer, data_order, load_examples, step_batches
-from ort_trainer.export import to_peft
+from ort_trainer.tokenizer import TextTokenizer
+from ort_trainer.records import load_examples
+from ort_trainer.batching import data_order, step_batches
+from ort_trainer.adapter import to_peft
 from ort_trainer.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -132,7 +132,7 @@ class TrainSession:
 
 class EvalSession:
     """The eval graph on plain ORT inference, with the LoRA weights fed as inputs; or any model with the
-    same interface and the adapter baked in (ort_trainer.export.export_onnx), with `lora` empty."""
+    same interface and the adapter baked in (ort_trainer.adapter.export_onnx), with `lora` empty."""
 
     def __init__(self, bundle: Bundle | None, lora: dict[str, np.ndarray], options: RuntimeOptions = RuntimeOptions(),
                  model_path: str | Path | None = None):

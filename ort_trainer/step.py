@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .data import loss_token_count
+from .records import loss_token_count
 from .session import TrainSession
 
 

@@ -1,4 +1,4 @@
-"""ort_trainer.data against independent computations (HF transformers tokenizers, slow pure-Python
+"""ort_trainer.tokenizer, records and batching against independent computations (HF transformers tokenizers, slow pure-Python
 tokenizers, character-offset label masks, direct numpy loops)."""
 from __future__ import annotations
 
@@ -8,16 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from ort_trainer.data import (
-    DataError,
-    DataOrder,
-    Example,
-    TextTokenizer,
-    collate,
-    load_examples,
-    loss_token_count,
-    tokenize_text,
-)
+from ort_trainer.tokenizer import DataError, TextTokenizer, tokenize_text
+from ort_trainer.records import Example, load_examples, loss_token_count
+from ort_trainer.batching import collate, DataOrder
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,7 +241,7 @@ def test_text_packing_across_chunks(qwen, hf_qwen, shared_data, tmp_path):
 @pytest.mark.parametrize("which", ["gpt2", "qwen"])
 def test_text_tiny_chunks_equal_whole_file(which, request, shared_data, tmp_path, monkeypatch):
     """Chunks of 3 lines (many cuts, inside runs of blank lines too) still give the whole-file ids."""
-    import ort_trainer.data as D
+    import ort_trainer.tokenizer as D
 
     ours, hf = request.getfixturevalue(which), request.getfixturevalue(f"hf_{which}")
     lines = (shared_data / "wikitext2" / "test.txt").read_text(encoding="utf-8").splitlines(keepends=True)
@@ -655,7 +648,7 @@ def test_data_order_group_by_length():
 
 @pytest.mark.parametrize("tok_name", ["gpt2", "qwen2.5"])
 def test_generation_prompt_ids_equal_the_trained_prompt(tmp_path, tok_name, shared_data):
-    from ort_trainer.data import generation_prompt_ids
+    from ort_trainer.tokenizer import generation_prompt_ids
 
     src = shared_data / "tokenizers" / tok_name
     if tok_name == "qwen2.5":

@@ -25,7 +25,7 @@ def test_device_trains_and_exports_without_torch(tmp_path, shared_data):
         assert pocketlora_cli.main(["export", "--run", {str(tmp_path / 'run')!r},
             "--peft", {str(tmp_path / 'peft')!r}, "--onnx", {str(tmp_path / 'm.onnx')!r}]) == 0
         import android_runner.loop, android_runner.probes, android_runner.gate, android_runner.metrics
-        import ort_trainer.data, ort_trainer.session, ort_trainer.export, ort_trainer.checkpoint
+        import ort_trainer.tokenizer, ort_trainer.records, ort_trainer.batching, ort_trainer.session, ort_trainer.adapter, ort_trainer.checkpoint
         bad = [m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in ("torch", "transformers", "peft")]
         assert not bad, bad
         print("DEVICE-OK")

@@ -18,7 +18,7 @@ from eval.metrics import Scorer, mmlu_eval, mmlu_prompt, perplexity
 from eval.ort_scorer import OrtScorer, initial_lora, lora_from_peft
 from eval.torch_scorer import TorchScorer
 from ort_trainer.bundle import open_bundle
-from ort_trainer.data import TextTokenizer
+from ort_trainer.tokenizer import TextTokenizer
 from tests.bundle_helpers import build_tiny_bundle, load_lora_into, peft_reference, random_lora, to_onnx_layout
 from tests.tiny_models import FAMILIES
 
@@ -197,7 +197,7 @@ def test_mmlu_letters_equal_pytorch_argmax(fam):
 def test_cli_ppl_and_mmlu_with_peft_dir_on_both_backends(fam, capsys):
     if fam["family"] != "gpt2":
         pytest.skip("CLI wiring is checked on one family")
-    from ort_trainer.export import export_peft
+    from ort_trainer.adapter import export_peft
     from pocketlora_cli import main
 
     bundle, root = fam["bundle"], fam["root"]

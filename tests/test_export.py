@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ort_trainer.bundle import open_bundle
-from ort_trainer.export import export_onnx, export_peft
+from ort_trainer.adapter import export_onnx, export_peft
 from ort_trainer.session import EvalSession
 from tests.bundle_helpers import build_tiny_bundle, random_lora, sample_batch, to_onnx_layout, torch_batch
 from tests.tiny_models import FAMILIES

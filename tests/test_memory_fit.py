@@ -11,7 +11,7 @@ from android_runner.memory_fit import MemoryBudgetError, choose_micro_batch, par
 from android_runner.metrics import peak_rss_mb, reset_peak_rss
 from ort_trainer import checkpoint
 from ort_trainer.bundle import open_bundle
-from ort_trainer.export import load_lora
+from ort_trainer.adapter import load_lora
 from tests.bundle_helpers import build_tiny_bundle
 
 

@@ -19,7 +19,7 @@ from android_runner.gate import GateConfig
 from android_runner.loop import RunConfig, RunError, train
 from ort_trainer.settings import to_argv
 from ort_trainer import checkpoint
-from ort_trainer.export import load_lora
+from ort_trainer.adapter import load_lora
 from tests.bundle_helpers import build_tiny_bundle
 from tests.conftest import REPO
 
