@@ -30,18 +30,18 @@ TRACE = Path(__file__).resolve().parents[1] / "android_runner" / "traces" / "eve
 
 @dataclass(kw_only=True)
 class Recipe(TrainSettings):
-    """The fine-tuning recipe, tuned on this machine (docs/DEMO.md): the training settings it overrides, and
+    """The fine-tuning recipe, tuned on this machine (docs/demo/RECIPES.md): the training settings it overrides, and
     the model, data and report settings of the demo."""
     r: int = 8
     alpha: float = 16.0
     targets: str = "mlp-out"      # LoRA on the MLP output projection only: attention (q/k/v/o) adapters trained on
-                                  # short Q&A lost long-context ability (docs/DEMO.md, rows 12-15 vs 16-17)
+                                  # short Q&A lost long-context ability (docs/demo/RECIPES.md, rows 12-15 vs 16-17)
     steps: int | None = None      # None: one pass over train.jsonl (99 questions x 24 + 288 replay snippets = 333
                                   # steps of 8), counted from the data the demo writes
     micro_batch: int = 8
     accum: int = 1
     lr: float = 1.5e-3            # with twice the passes of the x12 / 3e-3 recipe, whose held-out accuracy spread
-                                  # over 39-70% from fp32 noise alone (docs/DEMO.md, session 16)
+                                  # over 39-70% from fp32 noise alone (docs/demo/RECIPES.md, session 16)
     qa_repeats: int = 24          # the 99 training questions, each written this many times into train.jsonl
     replay: int = 288             # fresh general-text snippets (WikiText-2 *train*), one pass: none seen twice
     replay_words: int = 80        # ~100 tokens each: long enough to keep every position of the window in shape

@@ -114,7 +114,7 @@ def replay_records(text_file: Path, n: int, words: int = 24) -> list[dict]:
     fine-tuning on a few dozen facts does not wreck the model's general language modelling.
     Ask for as many snippets as the run will draw: replay only protects if no snippet is seen twice
     (a few dozen snippets repeated for epochs are memorized like the facts, and perplexity rose 30x
-    with them); see docs/DEMO.md."""
+    with them); see docs/demo/RECIPES.md."""
     chunks = []
     for line in text_file.read_text().splitlines():
         ws = line.split()

@@ -194,9 +194,8 @@ def test_mmlu_letters_equal_pytorch_argmax(fam):
 # ---------------------------------------------------------------------------------------------
 # The CLI (one family: the wiring is family-independent)
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fam", ["gpt2"], indirect=True)     # the CLI's wiring is family-independent
 def test_cli_ppl_and_mmlu_with_peft_dir_on_both_backends(fam, capsys):
-    if fam["family"] != "gpt2":
-        pytest.skip("CLI wiring is checked on one family")
     from ort_trainer.adapter import export_peft
     from pocketlora_cli import main
 

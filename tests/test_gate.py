@@ -12,6 +12,7 @@ from android_runner.gate import Decision, GateConfig, GateState, GateTracker, de
 from android_runner.probes import BatteryReading, ReplayProbe
 
 DATA = Path(__file__).parent / "data"
+TRACES = Path(gate.__file__).parent / "traces"          # the packaged traces (android_runner/traces)
 FULL, SLOW, PAUSED, COOLING = GateState.FULL, GateState.SLOW, GateState.PAUSED, GateState.COOLING
 CFG = GateConfig()
 
@@ -28,11 +29,11 @@ class FakeClock:
         return self.t
 
 
-def simulate(trace: str, cfg: GateConfig = CFG, step_s: float = 10.0):
+def simulate(trace: str | Path, cfg: GateConfig = CFG, step_s: float = 10.0):
     """Replay a trace through the gate like the runner would, on a fake clock: a step takes
     ``step_s``, then the runner sleeps ``sleep_s``; while waiting it only sleeps."""
     clock = FakeClock()
-    probe = ReplayProbe(DATA / trace, clock=clock)
+    probe = ReplayProbe(DATA / trace, clock=clock)       # an absolute path replaces DATA
     tracker = GateTracker(cfg, clock=clock)
     decisions: list[tuple[float, BatteryReading, Decision]] = []
     while clock.t <= probe.duration_s:
@@ -78,7 +79,7 @@ def test_drain_trace_slow_factor_sets_the_duty_cycle():
 
 
 def test_evening_trace_slow_charging_cooling_full():
-    tracker, decisions = simulate("battery_evening_charger.csv")
+    tracker, decisions = simulate(TRACES / "evening_charger.csv")
     assert moves(tracker) == [(0.0, FULL, SLOW), (300.0, SLOW, FULL),
                               (1920.0, FULL, COOLING), (2220.0, COOLING, FULL)]
     assert tracker.transitions[2][3] == "temperature 43.5°C > max-temp 42°C"
@@ -93,7 +94,7 @@ def test_evening_trace_slow_charging_cooling_full():
 
 
 def test_evening_trace_without_cooling_hysteresis_resumes_at_max_temp():
-    tracker, _ = simulate("battery_evening_charger.csv", GateConfig(cool_hysteresis=0.0))
+    tracker, _ = simulate(TRACES / "evening_charger.csv", GateConfig(cool_hysteresis=0.0))
     assert moves(tracker)[2:] == [(1920.0, FULL, COOLING), (2040.0, COOLING, FULL)]
 
 

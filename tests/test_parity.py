@@ -97,14 +97,13 @@ def test_parity_report_files(parity):
     assert logged == data["loss"]["ort"]
 
 
+@pytest.mark.parametrize("parity", ["gpt2"], indirect=True)     # report rendering is family-independent
 def test_a_failed_check_is_reported_as_fail(parity, tmp_path):
     """Honesty: with a threshold that cannot be met the report shows FAIL with the numbers."""
     from eval.parity import _check
     from eval.report import write_report
 
     family, root, bundle, report = parity
-    if family != "gpt2":
-        pytest.skip("report rendering is family-independent")
     bad = json.loads(json.dumps(report))
     c = bad["checks"][0]
     bad["checks"][0] = _check(c["name"], c["value"], 1e-12, c["detail"])
@@ -116,13 +115,12 @@ def test_a_failed_check_is_reported_as_fail(parity, tmp_path):
     assert json.loads(paths["json"].read_text())["pass"] is False
 
 
+@pytest.mark.parametrize("parity", ["gpt2"], indirect=True)     # CLI wiring is family-independent
 def test_cli_ppl_of_the_trained_run(parity):
     """`pocketlora eval ppl --run` scores the run's final adapter: the report's ORT number for it."""
     from pocketlora_cli import main
 
     family, root, bundle, report = parity
-    if family != "gpt2":
-        pytest.skip("CLI wiring is family-independent")
     out = root / "ppl-run.json"
     assert main(["eval", "ppl", "--bundle", str(bundle.path), "--run", str(root / "report" / "ort_run"),
                  "--data", str(root / "heldout.txt"), "--max-tokens", "400", "--out", str(out)]) == 0

@@ -14,6 +14,7 @@ from android_runner.probes import (
 )
 
 DATA = Path(__file__).parent / "data"
+TRACES = Path(probes.__file__).parent / "traces"        # the packaged traces (android_runner/traces)
 
 DUMPSYS_CHARGING = """\
 Current Battery Service state:
@@ -257,12 +258,12 @@ class FakeClock:
 
 def test_replay_follows_the_clock():
     clock = FakeClock()
-    p = ReplayProbe(DATA / "battery_evening_charger.csv", clock=clock)
+    p = ReplayProbe(TRACES / "evening_charger.csv", clock=clock)
     clock.t += 500.0                           # before the first read: does not count
     r = p.read()
     assert (r.percent, r.charging, r.temp_c) == (35.0, False, 30.0)
     assert r.current_a == pytest.approx(-0.42) and r.voltage_v is not None
-    assert r.source == "replay:battery_evening_charger.csv"
+    assert r.source == "replay:evening_charger.csv"
     clock.t += 59.9
     assert p.read().percent == 35.0            # still the t=0 row
     clock.t += 0.1
