@@ -7,80 +7,42 @@ For each real config in ../shared/data/configs/<name>/config.json this script
   2. converts it in a separate child process (`--one NAME`), so the peak RSS is that conversion's
      alone, and records wall time, peak RSS, bundle size, shard count, checkpoint size and the
      trainable / frozen parameter counts read back from the bundle's manifest.json;
-  3. writes the section "## Bundle generation (artifacts_gen)" of docs/BENCHMARKS.md (only that
-     section is replaced; other sections are kept) and the raw results to docs/bench_gen_real_shapes.json.
+  3. writes the run, whole: docs/bench/runs/<date>-gen-real-shapes.md (bench/gen_real_shapes_render.py) and its
+     raw results beside it (<same stem>.json).
 
-    python bench/gen_real_shapes.py [--models gpt2-124m,gemma3-270m,qwen2.5-0.5b]
+    python -m bench.gen_real_shapes [--models gpt2-124m,gemma3-270m,qwen2.5-0.5b]
                                     [--workdir /tmp/pocketlora-bench] [--keep] [--shard-mb auto|N]
 
 Checkpoints and bundles are deleted at the end unless --keep (they are GBs); the per-model
-conversion logs stay in the workdir. Nothing is downloaded: configs and tokenizers come from ../shared.
+conversion logs stay in the workdir. --no-doc writes the run into the workdir instead of docs/.
+Nothing is downloaded: configs and tokenizers come from ../shared.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import math
 import os
-import platform
 import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-CONFIGS = SHARED / "data" / "configs"
-TOKENIZERS = SHARED / "data" / "tokenizers"
-DOC = REPO / "docs" / "BENCHMARKS.md"
-RAW_JSON = REPO / "docs" / "bench_gen_real_shapes.json"
-SECTION = "## Bundle generation (artifacts_gen)"
+from bench import runs
+from bench.children import emit, run_child
+from bench.common import (CONFIGS, DEFAULT_WORKDIR, LORA, MODELS, REPO, RUNS, SEQ_LEN, SHAPES, TOKENIZERS, machine,
+                          tail, utc_now)
+from bench.gen_real_shapes_render import STAGE_LABELS, gb, mb, render_report
 
-# name -> tokenizer directory under ../shared/data/tokenizers. Gemma3's own SentencePiece tokenizer is
-# not in ../shared; the GPT-2 fast tokenizer stands in (the tokenizer does not affect the graph shapes).
-MODELS = {
-    "gpt2-124m": "gpt2",
-    "gemma3-270m": "gpt2",
-    "qwen2.5-0.5b": "qwen2.5",
-}
-DEFAULT_ORDER = ("gpt2-124m", "gemma3-270m", "qwen2.5-0.5b")
-
-# What is benchmarked: the generator's defaults except shard size (see shard_mb_for).
-LORA = dict(r=8, alpha=16, targets="attn")
-SEQ_LEN = 128
+WHAT = "gen-real-shapes"         # run files: docs/bench/runs/<date>-gen-real-shapes.{md,json}
+CHILD = "bench.gen_real_shapes"  # this module, run as a child: --make-ckpt NAME, --one NAME
+# What is benchmarked: the generator's defaults (bench/common.py) except shard size (see shard_mb_for).
 DEFAULT_SHARD_MB = 256
 SEED = 0
-RESULT_TAG = "BENCH_RESULT "
-STAGE_LABELS = {
-    "[1/5]": "[1/5] load fp32",
-    "[2/5]": "[2/5] PEFT + ONNX export",
-    "[3/5]": "[3/5] graph fixes",
-    "[4/5]": "[4/5] shards + ORT artifacts + load check",
-    "[5/5]": "[5/5] tokenizer + manifest",
-}
-
-# Failures diagnosed by hand (error text -> cause), shown under the table while they still occur.
-KNOWN_FAILURES = {
-    "large initializers are inline, e.g. onnx::Slice_": (
-        "GPT-2's causal-mask buffer `attn.bias` (bool `[1, 1, n_positions, n_positions]`, 1 MiB at "
-        "n_positions=1024, deduplicated across the 12 layers) is emitted by the TorchScript exporter as a "
-        "`Constant` node, not a graph initializer, so `write_shards` (initializers only) never externalizes "
-        "it. ORT's training-graph optimizer turns that Constant into an inline initializer of "
-        "`training_model.onnx`, and `_check_artifacts` rejects it: it estimates size as numel x 4 bytes "
-        "(4 MiB > 1 MiB limit), although the bool tensor is exactly 1 MiB. (The eval model still carries it "
-        "as an inline Constant node, which the check does not look at.) The tiny test model has "
-        "n_positions=256 (64 KiB), so the tests do not hit it."
-    ),
-}
 STAMP_VERSION = 1
-
-
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+TAIL_SKIP = ("writing shards", "[I:onnxruntime:", "[W:onnxruntime:")     # log lines a failure's tail leaves out
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -93,19 +55,20 @@ def _bundle_dir(workdir: Path, name: str) -> Path:
     return workdir / f"{name}-bundle"
 
 
-def _stamp(name: str) -> str:
-    cfg = (CONFIGS / name / "config.json").read_bytes()
-    tok_dir = TOKENIZERS / MODELS[name]
+def _stamp(config: Path, tok_dir: Path) -> str:
+    cfg = config.read_bytes()
     tok = b"".join(p.name.encode() + p.read_bytes() for p in sorted(tok_dir.iterdir()) if p.is_file())
     return json.dumps({"v": STAMP_VERSION, "seed": SEED, "config": hashlib.sha256(cfg).hexdigest(),
                        "tokenizer": hashlib.sha256(tok).hexdigest()})
 
 
-def make_checkpoint(name: str, workdir: Path) -> dict:
-    """Random-weight checkpoint of the real shape (+ tokenizer). Reused if already built identically."""
+def make_checkpoint(name: str, workdir: Path, configs: Path = CONFIGS, tokenizer: str | None = None) -> dict:
+    """Random-weight checkpoint of the shape configs/<name>/config.json (+ the tokenizer TOKENIZERS/<tokenizer>,
+    by default the model's own, MODELS[name]). Reused if already built identically."""
+    tokenizer = tokenizer or MODELS[name]
     ckpt = _ckpt_dir(workdir, name)
     stamp_file = workdir / f"{name}-ckpt.stamp"
-    stamp = _stamp(name)
+    stamp = _stamp(configs / name / "config.json", TOKENIZERS / tokenizer)
     if stamp_file.is_file() and stamp_file.read_text() == stamp and ckpt.is_dir():
         return {**json.loads((workdir / f"{name}-ckpt.info.json").read_text()), "reused": True}
 
@@ -117,7 +80,7 @@ def make_checkpoint(name: str, workdir: Path) -> dict:
         shutil.rmtree(ckpt)
     stamp_file.unlink(missing_ok=True)
     torch.manual_seed(SEED)
-    cfg = AutoConfig.from_pretrained(CONFIGS / name, local_files_only=True)
+    cfg = AutoConfig.from_pretrained(configs / name, local_files_only=True)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():          # tied weights appear once
@@ -127,13 +90,13 @@ def make_checkpoint(name: str, workdir: Path) -> dict:
     arch = type(model).__name__
     model.save_pretrained(ckpt, safe_serialization=True)
     del model
-    AutoTokenizer.from_pretrained(TOKENIZERS / MODELS[name], local_files_only=True).save_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(TOKENIZERS / tokenizer, local_files_only=True).save_pretrained(ckpt)
     info = {
         "architecture": arch,
         "params": n_params,
         "largest_tensor_bytes": largest,
         "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()),
-        "tokenizer": MODELS[name],
+        "tokenizer": tokenizer,
         "setup_seconds": round(time.time() - t0, 1),
     }
     (workdir / f"{name}-ckpt.info.json").write_text(json.dumps(info, indent=1))
@@ -241,26 +204,6 @@ def shard_mb_for(requested: str, largest_tensor_bytes: int) -> int:
     return int(requested)
 
 
-def _run_child(args: list[str], log_path: Path) -> tuple[int, str, float, int]:
-    """(exit code, stdout, wall seconds, peak RSS in bytes of that child and its waited-for descendants)."""
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args],
-                                stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
-        out = proc.stdout.read()
-        proc.stdout.close()
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out, time.time() - t0, usage.ru_maxrss * 1024
-
-
-def _parse_result(out: str) -> dict | None:
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    return None
-
-
 def _stage_reached(path: Path) -> str:
     import re
 
@@ -268,205 +211,20 @@ def _stage_reached(path: Path) -> str:
     return STAGE_LABELS.get(found[-1], found[-1]) if found else "before [1/5]"
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    text = path.read_text(errors="replace").replace("\r", "\n")
-    lines = [ln for ln in text.splitlines()
-             if ln.strip() and "writing shards" not in ln and "[I:onnxruntime:" not in ln and "[W:onnxruntime:" not in ln]
-    return "\n".join(lines[-n:])
-
-
-def machine() -> dict:
-    meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()}
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-
-    def field(key: str) -> str:          # its value on the first processor, "" where absent
-        return next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.split(":", 1)[0].strip() == key), "")
-
-    cpu = field("model name") or platform.processor() or "unknown"
-    flags = set(field("flags").split())
-    # The VM names every Intel host "Intel(R) Xeon(R) Processor"; family-model-stepping tells them apart
-    # (seen here: models 167 and 207, with and without AMX), and runs on different hosts are no before/after.
-    cpu_id = "-".join(v for v in (field("cpu family"), field("model"), field("stepping")) if v)
-    from importlib import metadata
-    versions = {}
-    for pkg in ("torch", "transformers", "peft", "onnx", "onnxruntime-training", "onnxruntime-training-cpu", "protobuf"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "ram_bytes": meminfo.get("MemTotal", 0),
-        "swap_bytes": meminfo.get("SwapTotal", 0),
-        "cpu_model": cpu,
-        "cpu_id": cpu_id,
-        "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16") if f in flags],
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "versions": versions,
-    }
-
-
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f}"
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
-
-
-def _m(n: int) -> str:
-    return f"{n / 1e6:,.1f} M"
-
-
-def render_section(results: list[dict], info: dict) -> str:
-    m = info["machine"]
-    lines = [
-        SECTION,
-        "",
-        f"Measured {info['date']} by `bench/gen_real_shapes.py`: `build_bundle` (LoRA r={LORA['r']}, "
-        f"alpha={LORA['alpha']}, targets={LORA['targets']}, seq-len {SEQ_LEN}) on random-weight float32 "
-        "checkpoints of the *true shapes* of real models (their config.json from `../shared/data/configs`). "
-        "Weights are random, so the numbers say nothing about model quality, only about conversion cost and "
-        "bundle layout.",
-        "",
-        "Reproduce (from the repo root; needs `../shared`, no network; checkpoints and bundles go to the "
-        "workdir and are deleted at the end unless `--keep`):",
-        "",
-        "```sh",
-        info["command"],
-        "```",
-        "",
-        f"Machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
-        f"{m.get('swap_bytes', 0) / 2**30:.1f} GiB swap; "
-        f"Linux {m['kernel']}, Python {m['python']}, "
-        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
-        "",
-        "| model | shape (layers / hidden / vocab) | frozen params | trainable params (tensors) | build time | "
-        "child wall | peak RSS | bundle on disk | shard files (shard MB) | checkpoint | training / eval graph |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        if not r.get("ok"):
-            reason = r.get("error_summary", "failed").replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {r['name']} | **FAILED** in {r.get('failed_in', '?')} after "
-                         f"{r.get('wall_seconds', 0):.0f} s (peak RSS {_gb(r.get('peak_rss_bytes', 0))} GiB): "
-                         f"`{reason}` | | | | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['name']} ({r['family']}) | {r['num_layers']} / {r['hidden_size']} / {r['vocab_size']:,} "
-            f"| {_m(r['frozen_params'])} | {r['trainable_params']:,} ({r['trainable_tensors']}) "
-            f"| {r['build_seconds']:.0f} s | {r['wall_seconds']:.0f} s | {_gb(r['peak_rss_bytes'])} GiB "
-            f"| {_mb(r['bundle_bytes'])} MiB | {r['shard_files']} ({r['shard_mb']}) "
-            f"| {r['checkpoint_bytes'] / 1024:,.0f} KiB | {_mb(r['training_model_bytes'])} / {_mb(r['eval_model_bytes'])} MiB |"
-        )
-    ok = [r for r in results if r.get("ok")]
-    if ok:
-        lines += [
-            "",
-            "Where the time and memory go (per `build_bundle` stage; peak RSS is the process high-water mark at "
-            "the end of the stage, so it only ever grows):",
-            "",
-            "| model | " + " | ".join(STAGE_LABELS.get(s["stage"][:5], s["stage"][:5]) for s in ok[0]["stages"]) + " |",
-            "|---|" + "---:|" * len(ok[0]["stages"]),
-        ]
-        for r in ok:
-            lines.append(f"| {r['name']} | " + " | ".join(
-                f"{s['seconds']:.0f} s, {_gb(s['peak_rss_after'])} GiB" for s in r["stages"]) + " |")
-        lines += [
-            "",
-            "Stages: [1/5] load the safetensors checkpoint in fp32; [2/5] PEFT wrap + TorchScript ONNX export "
-            "(traced at a short length) + reload of the traced proto; [3/5] value-based renaming, head untying, "
-            "LayerNorm stats; [4/5] shard writing + ORT `generate_artifacts` + loading the artifacts in ORT as "
-            "the device will; [5/5] tokenizer, config, manifest (hashes every file).",
-        ]
-    failed = [r for r in results if not r.get("ok")]
-    if failed:
-        lines += ["", "Failures (full log tail in `docs/bench_gen_real_shapes.json`):", ""]
-        for r in failed:
-            cause = next((v for k, v in KNOWN_FAILURES.items() if k in r.get("error_summary", "")), None)
-            lines.append(f"- **{r['name']}**: `{r.get('error_summary', '')}` (in {r.get('failed_in', '?')}). "
-                         + (f"Cause: {cause}" if cause else "Cause not diagnosed yet; see the log tail."))
-    lines += [
-        "",
-        "What the columns mean:",
-        "",
-        "- **frozen params**: `model.frozen_params` of the manifest (the base model, tied embedding counted once). "
-        "**trainable params**: sum over `trainable[].shape`, the LoRA A/B tensors the device trains.",
-        "- **build time**: `BuildResult.seconds` (inside `build_bundle`). **child wall**: the whole child process, "
-        "including Python/torch imports (a few seconds). Times are CPU-bound on 2 cores and sensitive to other "
-        "load: this machine was shared with other jobs (1-min load average before / after each conversion: "
-        + "; ".join(f"{r['name']} {r.get('loadavg_1min_before', '?')} / {r.get('loadavg_1min_after', '?')}"
-                    for r in results) + "); while this benchmark was being developed, identical builds took between ~95 s and ~180 s depending "
-        "on that load, so read the times as +-2x. Peak RSS, sizes and counts are reproducible to within a few MB.",
-        "- **peak RSS**: `ru_maxrss` of the child conversion process (`os.wait4`), one process per model so the "
-        "numbers do not mix (a fresh interpreter with torch imported is ~0.2-0.5 GiB of it). It is set by the "
-        "fp32 model (4 bytes/param, kept alive until stage [4/5]) plus the traced ONNX proto, which `onnx.load` "
-        "brings into memory with a second full copy of every weight (plus, for tied embeddings, the exporter's "
-        "folded transposed copy of the LM head until `untie_head` drops it). On top of that come transient "
-        "copies inside `torch.onnx.export` (stage [2/5]) and the value-matching of initializers to weights. "
-        "The shape check of the untied head now runs after the weights went to the shards (stage [4/5]): "
-        "before that fix, `onnx.shape_inference.infer_shapes` serialized the whole in-memory proto with its "
-        "weights, which took qwen2.5-0.5b to a 12.04 GiB peak (now 5.77 GiB) and would fail past protobuf's "
-        "2 GiB limit for larger models. From stage [4/5] on the weights live in the shard files and RSS drops "
-        "to ~2-3 GiB (ORT loads the artifacts once to check them). For gemma3-270m the peak is reached inside "
-        "`torch.onnx.export`. The checkpoint-creation setup is not measured.",
-        "- **bundle on disk**: all files of the bundle directory. It is essentially the frozen base weights in "
-        "fp32 (shards) plus the ONNX graphs, which reference the shards instead of inlining weights. "
-        "**shard MB**: `--shard-mb` used. A tensor never straddles two shard files, so a shard must hold the "
-        "largest tensor (the embedding); the benchmark uses the CLI default 256 MB raised just enough "
-        "(`--shard-mb auto`). With the default 256, a tensor larger than the limit (Gemma3-270M's 640 MiB and "
-        "Qwen2.5-0.5B's 519 MiB embeddings) is stored alone in its own shard, as `gen` says in its log.",
-        "- **checkpoint**: `BUNDLE/checkpoint`, the ORT checkpoint state. It holds the LoRA tensors only (the "
-        "base model lives in the shards), so it stays small.",
-        "- **training / eval graph**: `training_model.onnx` / `eval_model.onnx` without their external data.",
-        "- Tokenizers: GPT-2's fast tokenizer (`../shared/data/tokenizers/gpt2`) is used for gpt2-124m *and* "
-        "gemma3-270m (Gemma's own tokenizer is not in `../shared`; any fast tokenizer is fine for a shape "
-        "benchmark, the vocabulary size of the graph comes from the config); Qwen2.5's for qwen2.5-0.5b.",
-        "- Raw numbers (bytes, per-stage timings, RSS after imports): `docs/bench_gen_real_shapes.json`.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def replace_doc_section(doc: Path, heading: str, section: str) -> None:
-    """Replace only the section starting at the line `heading` (up to the next '# '/'## ' heading outside
-    code fences) with `section`, or append it; the rest of the document is kept as it is."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == heading), None)
-    section = section.rstrip("\n") + "\n"
-    if start is None:
-        doc.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end, in_fence = start + 1, False
-    while end < len(lines):
-        ln = lines[end]
-        if ln.lstrip().startswith("```"):
-            in_fence = not in_fence
-        elif not in_fence and (ln.startswith("## ") or ln.startswith("# ")):
-            break
-        end += 1
-    tail = lines[end:]
-    doc.write_text("".join(lines[:start]) + section + ("\n" if tail else "") + "".join(tail))
-
-
-def write_doc(section: str) -> None:
-    replace_doc_section(DOC, SECTION, section)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(DEFAULT_ORDER),
+    ap.add_argument("--models", default=",".join(SHAPES),
                     help=f"comma-separated, from: {', '.join(MODELS)} (default: all)")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/pocketlora-bench"))
+    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and bundles in the workdir")
     ap.add_argument("--shard-mb", default="auto",
                     help="shard size; 'auto' = 256, raised to fit the largest tensor (default: auto)")
-    ap.add_argument("--no-doc", action="store_true", help="do not touch docs/ (print the section instead)")
+    ap.add_argument("--no-doc", action="store_true",
+                    help="write the run into the workdir, not docs/bench/runs/ (with --render-only: print it)")
     ap.add_argument("--render-only", action="store_true",
-                    help=f"re-render the docs section from {RAW_JSON.relative_to(REPO)} without converting anything")
+                    help="re-render a run's report from its JSON (--run, default the newest in docs/bench/runs/) "
+                         "without converting anything")
+    ap.add_argument("--run", type=Path, help="with --render-only: the run's JSON")
     ap.add_argument("--one", metavar="NAME", help=argparse.SUPPRESS)            # child: convert one model
     ap.add_argument("--make-ckpt", metavar="NAME", help=argparse.SUPPRESS)      # child: setup one checkpoint
     ap.add_argument("--child-shard-mb", type=int, help=argparse.SUPPRESS)
@@ -474,17 +232,17 @@ def main(argv=None) -> int:
     workdir = args.workdir.absolute()
 
     if args.make_ckpt:
-        print(RESULT_TAG + json.dumps(make_checkpoint(args.make_ckpt, workdir)), flush=True)
+        emit(make_checkpoint(args.make_ckpt, workdir))
         return 0
     if args.one:
-        print(RESULT_TAG + json.dumps(convert_one(args.one, workdir, args.child_shard_mb)), flush=True)
+        emit(convert_one(args.one, workdir, args.child_shard_mb))
         return 0
 
     if args.render_only:
-        raw = json.loads(RAW_JSON.read_text())
-        results = raw.pop("results")
-        section = render_section(results, raw)
-        print(section) if args.no_doc else write_doc(section)
+        raw_json = args.run or runs.latest(RUNS, WHAT)
+        raw = json.loads(raw_json.read_text())
+        report = render_report(raw.pop("results"), raw, raw_json.stem)
+        print(report) if args.no_doc else runs.write(raw_json.parent, raw_json.stem, report)
         return 0
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -496,13 +254,13 @@ def main(argv=None) -> int:
         ap.error(f"no config.json for {', '.join(missing)} under {CONFIGS}")
     workdir.mkdir(parents=True, exist_ok=True)
 
-    command = "python bench/gen_real_shapes.py"
-    if names != list(DEFAULT_ORDER):
+    command = "python -m bench.gen_real_shapes"
+    if names != list(SHAPES):
         command += f" --models {','.join(names)}"
     if args.shard_mb != "auto":
         command += f" --shard-mb {args.shard_mb}"
     info = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "command": command,
         "machine": machine(),
         "settings": {"lora": LORA, "seq_len": SEQ_LEN, "shard_mb": args.shard_mb, "seed": SEED},
@@ -510,37 +268,37 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         print(f"== {name}: checkpoint (setup, not timed)", flush=True)
-        code, out, secs, _ = _run_child(["--make-ckpt", name, "--workdir", str(workdir)],
-                                        workdir / f"{name}-setup.log")
-        ckpt = _parse_result(out)
-        if code != 0 or ckpt is None:
-            print(_tail(workdir / f"{name}-setup.log"), file=sys.stderr)
-            results.append({"name": name, "ok": False, "error_summary": f"checkpoint setup failed (exit {code})",
-                            "log": _tail(workdir / f"{name}-setup.log")})
+        setup = run_child([CHILD, "--make-ckpt", name, "--workdir", str(workdir)],
+                          workdir / f"{name}-setup.log", timeout=None)
+        ckpt = setup.result
+        if not setup.ok:
+            print(tail(setup.log_path, 40, TAIL_SKIP), file=sys.stderr)
+            results.append({"name": name, "ok": False, "error_summary": f"checkpoint setup failed (exit {setup.code})",
+                            "log": tail(setup.log_path, 40, TAIL_SKIP)})
             continue
         shard_mb = shard_mb_for(args.shard_mb, ckpt["largest_tensor_bytes"])
-        print(f"   {ckpt['params'] / 1e6:.1f} M params, checkpoint {_mb(ckpt['checkpoint_bytes'])} MiB, "
-              f"largest tensor {_mb(ckpt['largest_tensor_bytes'])} MiB -> --shard-mb {shard_mb} "
-              f"({'reused' if ckpt.get('reused') else f'setup {secs:.0f} s'})", flush=True)
+        print(f"   {ckpt['params'] / 1e6:.1f} M params, checkpoint {mb(ckpt['checkpoint_bytes'])} MiB, "
+              f"largest tensor {mb(ckpt['largest_tensor_bytes'])} MiB -> --shard-mb {shard_mb} "
+              f"({'reused' if ckpt.get('reused') else f'setup {setup.wall:.0f} s'})", flush=True)
         print(f"== {name}: converting in a child process (log: {workdir / f'{name}-convert.log'})", flush=True)
         log_path = workdir / f"{name}-convert.log"
         load_before = os.getloadavg()[0]
-        code, out, wall, rss = _run_child(["--one", name, "--workdir", str(workdir),
-                                           "--child-shard-mb", str(shard_mb)], log_path)
+        c = run_child([CHILD, "--one", name, "--workdir", str(workdir), "--child-shard-mb", str(shard_mb)],
+                      log_path, timeout=None)
+        code, res, wall, rss = c.code, c.result, c.wall, c.maxrss
         load = {"loadavg_1min_before": round(load_before, 2), "loadavg_1min_after": round(os.getloadavg()[0], 2)}
-        res = _parse_result(out)
-        if code != 0 or res is None:
-            tail = _tail(log_path)
-            last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), f"exit {code}")
-            print(f"   FAILED (exit {code}) after {wall:.0f} s, peak RSS {_gb(rss)} GiB:\n{tail}", file=sys.stderr)
+        if not c.ok:
+            log_tail = tail(log_path, 40, TAIL_SKIP)
+            last = next((ln for ln in reversed(log_tail.splitlines()) if ln.strip()), f"exit {code}")
+            print(f"   FAILED (exit {code}) after {wall:.0f} s, peak RSS {gb(rss)} GiB:\n{log_tail}", file=sys.stderr)
             results.append({"name": name, "ok": False, "exit_code": code, "wall_seconds": round(wall, 1),
                             "peak_rss_bytes": rss, "shard_mb": shard_mb, "failed_in": _stage_reached(log_path),
-                            "error_summary": last[:300], "log": tail, "source_checkpoint": ckpt, **load})
+                            "error_summary": last[:300], "log": log_tail, "source_checkpoint": ckpt, **load})
             continue
         res.update(wall_seconds=round(wall, 1), peak_rss_bytes=rss, source_checkpoint=ckpt, **load)
         results.append(res)
-        print(f"   ok: build {res['build_seconds']:.0f} s (wall {wall:.0f} s), peak RSS {_gb(rss)} GiB, "
-              f"bundle {_mb(res['bundle_bytes'])} MiB in {res['shard_files']} shard(s), "
+        print(f"   ok: build {res['build_seconds']:.0f} s (wall {wall:.0f} s), peak RSS {gb(rss)} GiB, "
+              f"bundle {mb(res['bundle_bytes'])} MiB in {res['shard_files']} shard(s), "
               f"checkpoint {res['checkpoint_bytes'] / 1024:.0f} KiB, trainable {res['trainable_params']:,}, "
               f"frozen {res['frozen_params']:,}", flush=True)
 
@@ -551,13 +309,10 @@ def main(argv=None) -> int:
             for suffix in ("-ckpt.stamp", "-ckpt.info.json"):
                 (workdir / f"{name}{suffix}").unlink(missing_ok=True)
 
-    section = render_section(results, info)
-    if args.no_doc:
-        print(section)
-    else:
-        write_doc(section)
-        RAW_JSON.write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
-        print(f"wrote {DOC.relative_to(REPO)} and {RAW_JSON.relative_to(REPO)}")
+    run = runs.stem(info["date"], WHAT)
+    written = runs.write(workdir if args.no_doc else RUNS, run, render_report(results, info, run),
+                         {**info, "results": results})
+    print("wrote " + ", ".join(str(p.relative_to(REPO) if p.is_relative_to(REPO) else p) for p in written))
     return 0 if all(r.get("ok") for r in results) else 1
 
 

@@ -9,28 +9,26 @@ session, the same weights and the same micro-batches, alternating A B A B:
   B  the same micro-batch with every non-padding position labelled (= the head at all positions).
 No optimizer step is taken (the gradients are reset), so every measurement sees identical weights.
 
-    python bench/label_positions.py --workdir pocketlora-demo [--batches 12] [--threads 2]
+    python -m bench.label_positions --workdir pocketlora-demo [--batches 12] [--threads 2]
 
 --workdir is a `pocketlora demo` work directory (its bundle/ and device/train.jsonl are used).
-The table goes to docs/BENCHMARKS.md (section below) unless --no-doc.
+The run goes to docs/bench/runs/<date>-label-positions.md, its raw results beside it (.json); --no-doc prints
+the report instead. --rerender rewrites a run's report from its JSON (--run, default the newest).
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-import gen_real_shapes as grs  # noqa: E402
+from bench import runs
+from bench.common import RUNS, machine, utc_now
 
-DOC = REPO / "docs" / "BENCHMARKS.md"
-SECTION = "## LM head only at labelled positions (label_positions.py)"
+WHAT = "label-positions"         # run files: docs/bench/runs/<date>-label-positions.{md,json}
+TITLE = "LM head only at labelled positions"
+COMMAND = "python -m bench.label_positions --workdir DIR"
 
 
 def all_positions_labelled(mb: dict) -> dict:
@@ -46,11 +44,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=12, help="micro-batches measured (each A and B; default 12)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-doc", action="store_true")
-    ap.add_argument("--rerender", action="store_true", help="rewrite the docs section from the saved JSON")
+    ap.add_argument("--no-doc", action="store_true", help="print the report; write no run file")
+    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
+    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
     args = ap.parse_args(argv)
     if args.rerender:
-        grs.replace_doc_section(DOC, SECTION, render(json.loads((REPO / "docs" / "bench_label_positions.json").read_text())))
+        raw_json = args.run or runs.latest(RUNS, WHAT)
+        runs.write(raw_json.parent, raw_json.stem, render_report(json.loads(raw_json.read_text()), raw_json.stem))
         return 0
 
     from ort_trainer.bundle import open_bundle
@@ -94,23 +94,26 @@ def main(argv=None) -> int:
 
     med_a, med_b = statistics.median(r["a_s"] for r in rows), statistics.median(r["b_s"] for r in rows)
     ratios = [r["b_s"] / r["a_s"] for r in rows]
-    result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": grs.machine(),
+    result = {"date": utc_now(), "command": COMMAND, "machine": machine(),
               "model": bundle.manifest.model.source, "workdir": str(args.workdir), "threads": args.threads,
               "micro_batch": args.micro_batch, "load1": [load_start, os.getloadavg()[0]], "rows": rows, "median_labelled_s": med_a, "median_all_s": med_b,
               "median_ratio": statistics.median(ratios), "labelled_fraction":
               sum(r["labelled"] for r in rows) / sum(r["all"] for r in rows)}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
-    if not args.no_doc:
-        grs.replace_doc_section(DOC, SECTION, render(result))
-        (REPO / "docs" / "bench_label_positions.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {DOC} ({SECTION!r}) and docs/bench_label_positions.json")
+    run = runs.stem(result["date"], WHAT)
+    if args.no_doc:
+        print(render_report(result, run))
+    else:
+        print("wrote " + ", ".join(map(str, runs.write(RUNS, run, render_report(result, run), result))))
     return 0
 
 
-def render(r: dict) -> str:
-    lines = [SECTION, "",
+def render_report(r: dict, run: str) -> str:
+    """The Markdown of the run named `run` (its stem), from its results JSON `r`."""
+    command = r.get("command", "python bench/label_positions.py --workdir DIR")    # runs before 2026-12-04
+    lines = [*runs.header(TITLE, run, "bench/label_positions.py", r["machine"], command, {"raw results": f"{run}.json"}),
              f"Measured {r['date']} on {r['machine'].get('cpu_model', 'this machine')}, {r['threads']} threads: "
-             f"`python bench/label_positions.py --workdir DIR` on the data of a `pocketlora demo` run "
+             f"`{command}` on the data of a `pocketlora demo` run "
              f"({r['model']}, micro-batches of {r['micro_batch']} in the demo's data order). Forward + backward "
              "of one micro-batch, the same session and weights, alternating: A with the data's labels (the graph "
              "runs the LM head at those positions only), B with every real position labelled (the work of a "

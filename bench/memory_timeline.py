@@ -1,6 +1,6 @@
 """Which tensors are alive at the peak of one training step, from ORT's own execution order.
 
-    python bench/memory_timeline.py BUNDLE [--micro 8] [--workload lm|sft] [--top 20]
+    python -m bench.memory_timeline BUNDLE [--micro 8] [--workload lm|sft] [--top 20]
 
 One forward/backward of the bundle's training graph with ORT's profiler on, in the session options the
 device uses (ort_trainer.session.RuntimeOptions: no buffer reuse, denormals flushed). The profile gives the
@@ -23,13 +23,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from ort_trainer import manifest as mf  # noqa: E402
-from ort_trainer.ort_training import CheckpointState, Module  # noqa: E402
-from ort_trainer.session import RuntimeOptions  # noqa: E402
-from train_throughput import _profile_events, kernel_events  # noqa: E402  (bench/ is on sys.path: run as a script)
+from bench.throughput.profile import kernel_events, profile_events
+from ort_trainer import manifest as mf
+from ort_trainer.ort_training import CheckpointState, Module
+from ort_trainer.session import RuntimeOptions
 
 ALIASES = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 BYTES = {"float": 4, "int64": 8, "int32": 4, "bool": 1, "float16": 2, "double": 8}
@@ -60,7 +57,7 @@ def profile_step(bundle: Path, micro: int, workload: str, work: Path, seq: int =
         labels[:, :60] = labels[:, 100:] = -100
     module(ids, mask, labels, np.asarray(1.0 / micro, np.float32))
     del module                      # writes the profile
-    events = kernel_events(_profile_events(next(work.glob("profile*.json")).read_text()))
+    events = kernel_events(profile_events(next(work.glob("profile*.json")).read_text()))
     return events, onnx.load(str(work / "optimized.onnx"), load_external_data=False).graph
 
 

@@ -1,16 +1,14 @@
-"""bench/train_throughput.summarize_profile: ORT profiles of the training and optimizer sessions, each with its
+"""bench/throughput/profile.summarize_profile: ORT profiles of the training and optimizer sessions, each with its
 own clock, summarized from the training session's last runs only; matmul FLOPs and kinds from kernel shapes."""
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import train_throughput as tt  # noqa: E402
+from bench.throughput.profile import HEAD_PREFIX, summarize_profile
 
 
 def _kernel(name: str, op: str, ts: int, dur: int, shapes: list[list[int]], out: list[int]) -> dict:
@@ -32,7 +30,7 @@ def test_summary_reads_the_training_session_only(tmp_path):
         _kernel("warm", "MatMul", 120, 200, [[64, 32], [32, 16]], [64, 16]),
         run(1000, 500),                                                     # the measured step
         _kernel("body", "MatMul", 1010, 100, [[1, 64, 32], [32, 16]], [1, 64, 16]),
-        _kernel(tt.HEAD_PREFIX + "Gemm_7", "Gemm", 1120, 50, [[64, 32], [100, 32]], [64, 100]),
+        _kernel(HEAD_PREFIX + "Gemm_7", "Gemm", 1120, 50, [[64, 32], [100, 32]], [64, 100]),
         _kernel("lora", "FusedMatMul", 1180, 10, [[1, 64, 32], [2, 32]], [1, 64, 2]),
         _kernel("scores", "MatMul", 1200, 20, [[2, 4, 64, 8], [2, 4, 8, 64]], [2, 4, 64, 64]),
         _kernel("act", "Mul", 1300, 40, [[64, 16], [64, 16]], [64, 16]),
@@ -43,7 +41,7 @@ def test_summary_reads_the_training_session_only(tmp_path):
         run(1195, 20),
         _kernel("adamw", "AdamWOptimizer", 1197, 5, [[16]], [16]),
     ])
-    s = tt.summarize_profile([training, optimizer], step_runs=1, rank=2)
+    s = summarize_profile([training, optimizer], step_runs=1, rank=2)
     assert s["model_run_ms"] == 0.5
     assert set(s["by_op_ms"]) == {"MatMul", "Gemm", "FusedMatMul", "Mul"}          # no AdamW, no warm-up kernel
     assert abs(s["matmul_ms"] - 0.18) < 1e-12
@@ -62,10 +60,10 @@ def test_summary_refuses_profiles_without_one_training_session(tmp_path):
         _kernel("adamw", "AdamWOptimizer", 1, 2, [[16]], [16]),
     ])
     with pytest.raises(ValueError, match="training-session"):
-        tt.summarize_profile([optimizer], step_runs=1)
+        summarize_profile([optimizer], step_runs=1)
 
 
 def test_head_prefix_is_the_one_head_loss_names_its_nodes_with():
     from artifacts_gen import head_loss
 
-    assert tt.HEAD_PREFIX == head_loss.PREFIX
+    assert HEAD_PREFIX == head_loss.PREFIX

@@ -1,0 +1,88 @@
+"""Dated run files: every bench run is <stem>.md (its report, whole) with <stem>.json (its raw results) beside it,
+and a plot <stem>.png where the bench draws one. The stem is the run's UTC start and what ran:
+
+    2026-12-03T0913Z-train-throughput        2026-11-30T0629Z-gen-real-shapes        ...-train-throughput-quick
+
+Every report opens with the same header (title, run, host fingerprint, command, files). A bench writes into
+docs/bench/runs/ (RUNS) or, for smoke tests and --no-doc, into its workdir; it never edits a hand-written doc.
+
+    python -m bench.runs [DIR]      a Markdown index of the runs in DIR (default docs/bench/runs): run, host, targets
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+from pathlib import Path
+
+from bench.common import RUNS, fingerprint
+
+STEM = re.compile(r"^(\d{4}-\d{2}-\d{2})T(\d{2})(\d{2})Z-(.+)$")
+
+
+def stem(date: str, what: str) -> str:
+    """"2026-12-03 09:13 UTC", "train-throughput" -> "2026-12-03T0913Z-train-throughput"."""
+    t = dt.datetime.strptime(date, "%Y-%m-%d %H:%M UTC")
+    return f"{t:%Y-%m-%dT%H%MZ}-{what}"
+
+
+def header(title: str, run: str, bench: str, machine: dict, command: str | None, files: dict[str, str],
+           notes: list[str] = ()) -> list[str]:
+    """The lines every run report opens with. `files`: label -> file name beside the report."""
+    lines = [f"# {title}: run {run}", "",
+             f"- Bench: `{bench}`",
+             f"- Host: {fingerprint(machine)}"]
+    if command:
+        lines.append(f"- Command: `{command}`")
+    if files:
+        lines.append("- Files: " + ", ".join(f"[{label}]({name})" for label, name in files.items()))
+    lines += [f"- Note: {n}" for n in notes]
+    return lines + [""]
+
+
+def write(out_dir: Path, run: str, report: str, raw: dict | None = None) -> list[Path]:
+    """Write <run>.md (and <run>.json) into out_dir whole; -> the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / f"{run}.md"
+    md.write_text(report.rstrip("\n") + "\n")
+    out = [md]
+    if raw is not None:
+        out.append(out_dir / f"{run}.json")
+        out[-1].write_text(json.dumps(raw, indent=1) + "\n")
+    return out
+
+
+def latest(out_dir: Path, what: str) -> Path | None:
+    """The newest <stem>.json of `what` in out_dir (stems sort by date), or None."""
+    found = sorted(p for p in out_dir.glob(f"*-{what}.json") if (m := STEM.match(p.stem)) and m.group(4) == what)
+    return found[-1] if found else None
+
+
+def summary(md: Path) -> tuple[str, str]:
+    """(host, targets) of a run report: its Host line, and 'met N of M' from its Targets list (if any)."""
+    text = md.read_text()
+    host = next((ln[len("- Host: "):] for ln in text.splitlines() if ln.startswith("- Host: ")), "?")
+    met = len(re.findall(r"^- MET: ", text, re.M))
+    missed = len(re.findall(r"^- \*\*MISSED\*\*: ", text, re.M))
+    return host, (f"met {met} of {met + missed}" if met + missed else "-")
+
+
+def index(out_dir: Path) -> str:
+    """A Markdown table of every run in out_dir, newest first."""
+    lines = ["| run | host | targets |", "|---|---|---|"]
+    for md in sorted((p for p in out_dir.glob("*.md") if STEM.match(p.stem)), reverse=True):
+        host, targets = summary(md)
+        lines.append(f"| [{md.stem}](runs/{md.name}) | {host} | {targets} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Print a Markdown index of the dated runs in a directory.")
+    ap.add_argument("dir", nargs="?", type=Path, default=RUNS)
+    print(index(ap.parse_args(argv).dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
