@@ -11,11 +11,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ort_trainer import checkpoint
-from ort_trainer.bundle import open_bundle
+from ort_trainer.bundle import blame_damage, open_bundle
+from ort_trainer.faults import write_atomic
 from ort_trainer.tokenizer import TextTokenizer
 from ort_trainer.records import load_examples
 from ort_trainer.batching import data_order, step_batches
@@ -76,7 +77,10 @@ def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
     path = run_dir / RUN_CONFIG
     if not path.exists():
         return cfg, False
-    saved = json.loads(path.read_text())
+    saved = read_run_config(run_dir)
+    if saved.get("runner", "python") != "python":
+        raise RunError(f"{run_dir} is a run of the {saved['runner']} runner; continue it with that runner "
+                       "(android_runner/web/cli.mjs), or train into a new --out")
     if cfg.memory_budget is not None and saved["micro_batch"] * saved["accum"] == cfg.micro_batch * cfg.accum:
         cfg.micro_batch, cfg.accum = saved["micro_batch"], saved["accum"]   # the split measured at the first start
     for name in RunConfig.FIXED:   # a setting added later is absent from older runs: its default applies
@@ -88,10 +92,23 @@ def _settle_config(run_dir: Path, cfg: RunConfig) -> tuple[RunConfig, bool]:
     return cfg, True
 
 
+def read_run_config(run_dir: Path) -> dict:
+    """RUN/run.json, the settings the run was started with, checked; RunError naming it if it is damaged."""
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        saved = json.loads(path.read_bytes())
+        if not isinstance(saved, dict):
+            raise TypeError(f"a JSON {type(saved).__name__}, not an object")
+        known = {f.name for f in fields(RunConfig)}
+        RunConfig(**{k: v for k, v in saved.items() if k in known}).validate()
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise RunError(f"{path}: damaged ({exc}). It records the settings the run was started with: restore it "
+                       "from a copy, or train into a new --out.") from exc
+    return saved
+
+
 def _record_config(run_dir: Path, cfg: RunConfig) -> None:
-    tmp = run_dir / (RUN_CONFIG + ".tmp")
-    tmp.write_text(json.dumps(asdict(cfg), indent=1))
-    tmp.replace(run_dir / RUN_CONFIG)
+    write_atomic(run_dir / RUN_CONFIG, json.dumps(asdict(cfg), indent=1))
 
 
 class StopFlag:
@@ -116,16 +133,22 @@ class StopFlag:
         self.event.wait(seconds)
 
 
-def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None = None) -> dict:
+def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None = None,
+          on_session=None) -> dict:
+    """`on_session(session, from_checkpoint)`, if given, is called once the session exists (federated/: start
+    from the global LoRA unless resumed from a checkpoint, freeze LoRA A)."""
     run_dir = Path(run_dir)
     cfg.validate()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--out {run_dir}: exists and is not a directory. Choose another --out.")
     cfg, resuming = _settle_config(run_dir, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # -- bundle, data, session ---------------------------------------------------------------
     bundle = open_bundle(cfg.bundle, verify="sizes" if resuming else "hashes")
     man = bundle.manifest
-    tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
+    with blame_damage(bundle):
+        tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     examples, report = load_examples(cfg.data, tok, man.seq_len)
     pad_id = tok.pad_id
     del tok          # only the data needed it: its memory goes back before the session allocates
@@ -135,6 +158,8 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
     adamw = AdamWSpec(**{**man.optimizer, "clip": cfg.clip, "weight_decay": cfg.weight_decay})
     session = TrainSession(bundle, found[0] / checkpoint.ORT_FILE if found else None, adamw,
                            RuntimeOptions(cfg.threads, cfg.memory), work_dir=run_dir)
+    if on_session is not None:
+        on_session(session, found is not None)
     fit = None
     if cfg.memory_budget is not None and not resuming:
         try:
@@ -232,7 +257,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
         "memory_fit": fit.to_dict() if fit else None, "gate": tracker.summary(), **energy.summary(wall),
         "data_report": asdict(report),
     }
-    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1, default=str))
+    write_atomic(run_dir / SUMMARY, json.dumps(summary, indent=1, default=str))
     log(f"{'finished' if summary['finished'] else 'stopped'} at step {step}/{total} in {wall:.1f} s; "
         f"summary in {run_dir / SUMMARY}")
     return summary

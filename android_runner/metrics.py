@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ort_trainer.faults import write_atomic
+
 ESTIMATE_WATTS_PER_CORE = 1.5   # a phone big core under sustained load, roughly; only for the labelled estimate
 
 
@@ -68,16 +70,19 @@ class MetricsLog:
     def __init__(self, path: Path, keep_through_step: int):
         self.path = Path(path)
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
+            kept = [line for line in self.path.read_text(errors="replace").splitlines()   # damage: dropped below
                     if line.strip() and _step_of(line) is not None and _step_of(line) <= keep_through_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-        self._f = open(self.path, "a")
+            write_atomic(self.path, "".join(line + "\n" for line in kept))   # a torn last line goes too
+        self._f = open(self.path, "ab", buffering=0)   # unbuffered: a failed write (full disk) leaves nothing
+                                                       # pending that a later flush would retry at exit
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        line = memoryview((json.dumps(record) + "\n").encode())
+        try:
+            while line:
+                line = line[self._f.write(line):]
+        except OSError as exc:      # os.write's error names no file
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def close(self) -> None:
         self._f.close()

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +20,15 @@ from onnx import numpy_helper
 
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import sha256_file
+from ort_trainer.faults import environment_fault, native_writes
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
+from ort_trainer.versions import tool_versions
 
 from . import graph_fixes, head_loss, recompute, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
+from .web_graphs import ROLES as WEB_ROLES, write_web_files
 
 TRACE_LEN_MAX = 32   # the trace length: short, and deliberately not the bundle's seq-len
 
@@ -98,7 +100,10 @@ def _native_stderr_to(log_path: Path):
         with open(log_path, "wb") as f:
             os.dup2(f.fileno(), 2)
             try:
-                yield
+                with native_writes(log_path.parent):   # a native write's errno (full disk) is an OSError
+                    yield
+            except OSError:
+                raise
             except Exception as e:
                 os.dup2(saved, 2)
                 tail = log_path.read_text(errors="replace").splitlines()[-20:]
@@ -106,14 +111,6 @@ def _native_stderr_to(log_path: Path):
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in ("pocketlora", "torch", "transformers", "peft", "onnx", "onnxruntime-training-cpu", "optimum-onnx"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[pkg] = metadata.version(pkg)
-    return out
 
 
 def _source_tensors(peft_model) -> dict[str, np.ndarray]:
@@ -168,8 +165,16 @@ def build_bundle(
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
     fam, config = src.family, src.model.config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for left in _leftovers(out):
+            log(f"      removing {left.name}, left by an interrupted build")
+            shutil.rmtree(left, ignore_errors=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as exc:
+        if environment_fault(exc):       # e.g. a read-only --out: name it, not the staging directory
+            raise OSError(exc.errno, exc.strerror, str(out)) from exc
+        raise
     stage.chmod(0o755)
     try:
         log(f"[2/5] exporting {fam.name} with LoRA r={lora.r} on {lora.targets} (opset {fam.opset})")
@@ -183,6 +188,7 @@ def build_bundle(
         forward = onnx.load(str(trace_dir / "forward.onnx"))
 
         log("[3/5] graph checks and fixes")
+        n_split = len(graph_fixes.split_value_merges(forward))
         naming = graph_fixes.name_initializers(forward, _source_tensors(peft_model))
         untied = graph_fixes.untie_head(forward)
         graph_fixes.constants_to_initializers(forward, MIN_EXTERNAL_BYTES)
@@ -193,7 +199,8 @@ def build_bundle(
         frozen_params = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" not in n)
         log(f"      {len(naming.renamed)} weights named, {len(train)} LoRA tensors one-for-one with PEFT, "
             f"LM head as Gemm(h, W[V, H]): {bool(untied)}, LayerNorm stats added: {n_ln}, "
-            f"redundant causal Where removed: {n_where}")
+            f"redundant causal Where removed: {n_where}"
+            + (f", equal-valued weights kept distinct: {n_split}" if n_split else ""))
 
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
@@ -209,6 +216,7 @@ def build_bundle(
         _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows, head_vocab_cols,
                             float(softcap) if softcap else None)
         _check_artifacts(stage, plan.files)
+        write_web_files(stage, [t.onnx_name for t in train])     # the web runner's gradient graph + initial LoRA
 
         log("[5/5] tokenizer, config and manifest")
         src.tokenizer.save_pretrained(stage / mf.TOKENIZER_DIR)
@@ -251,17 +259,44 @@ def build_bundle(
             loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows, head_vocab_cols=head_vocab_cols),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
-            tools=_versions(),
+            tools=tool_versions(),
         )
         manifest.save(stage)
-        if out.exists():
-            shutil.rmtree(out)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():                  # --force: the old bundle steps aside, the new one takes its name
+            os.replace(out, old)
         os.replace(stage, out)
-    except BaseException:
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:
         shutil.rmtree(stage, ignore_errors=True)
+        if environment_fault(exc):       # name --out, not the staging file (often no file: a buffered write)
+            raise OSError(exc.errno, exc.strerror, str(out)) from exc
         raise
     total = sum(f.bytes for f in manifest.files)
     return BuildResult(manifest, out, time.time() - t0, total, int(sum(np.prod(t.shape) for t in train)))
+
+
+def _leftovers(out: Path) -> list[Path]:
+    """Staging (and replaced) directories of `out` whose build was killed: their process is gone."""
+    found, prefix = [], f".{out.name}."
+    for path in out.parent.iterdir():
+        if not path.name.startswith(prefix):
+            continue
+        kind, _, rest = path.name[len(prefix):].partition("-")
+        pid = rest.split("-")[0]
+        if kind in ("partial", "old") and pid.isdigit() and not _alive(int(pid)):
+            found.append(path)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
@@ -345,6 +380,7 @@ ROLES = {
     mf.OPTIMIZER_MODEL: "optimizer_model",
     mf.CHECKPOINT: "checkpoint",
     mf.CONFIG: "config",
+    **WEB_ROLES,
 }
 
 

@@ -41,8 +41,41 @@ class Naming:
     unmatched: list[str]             # initializers derived from weights or buffers (e.g. Gemma's 1+w)
 
 
+def split_value_merges(model: onnx.ModelProto) -> list[str]:
+    """Undo the exporter's merging of parameters that merely hold equal values.
+
+    In eval mode the TorchScript exporter deduplicates initializers by value: a parameter equal to an
+    earlier one (every LayerNorm weight of a freshly initialised GPT-2 is all ones; real checkpoints hold
+    zero biases and untouched norms) becomes Identity(earlier). ORT's gradient builder then fails with
+    "Duplicate definition of name (..._grad)", and had it not, distinct parameters would be one tensor,
+    the trap of the merged LoRA-B matrices (export.set_placeholders). Each Identity that reads an
+    initializer becomes an initializer of its own, named after its output (the parameter's name): one
+    tensor per parameter, as in the checkpoint. Parameters that share storage (tied embeddings) are
+    merged by the exporter without an Identity and stay one tensor. Returns the names split off."""
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    graph_outputs = {o.name for o in g.output}
+    split = []
+    for node in list(g.node):
+        if (node.op_type != "Identity" or len(node.input) != 1 or node.input[0] not in inits
+                or node.output[0] in graph_outputs or node.output[0] in inits):
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[node.input[0]])
+        copy.name = node.output[0]
+        g.initializer.append(copy)
+        inits[copy.name] = copy
+        g.node.remove(node)
+        split.append(copy.name)
+    if split:
+        _drop_dead(model)
+    return split
+
+
 def name_initializers(model: onnx.ModelProto, sources: dict[str, np.ndarray]) -> Naming:
-    """Rename initializers after the source tensors (by key) whose values they hold."""
+    """Rename initializers after the source tensors (by key) whose values they hold. Among several source
+    tensors of equal value, the one whose key ends the exporter's own name for the initializer wins
+    (e.g. peft_model.base_model.model.transformer.h.1.ln_2.weight), so equal tensors keep their names."""
     by_value: dict[str, list[tuple[str, bool]]] = {}
     for key, arr in sources.items():
         by_value.setdefault(_digest(arr), []).append((key, False))
@@ -53,6 +86,7 @@ def name_initializers(model: onnx.ModelProto, sources: dict[str, np.ndarray]) ->
     for init in model.graph.initializer:
         hits = by_value.get(_digest(numpy_helper.to_array(init)), [])
         hits = [h for h in hits if h[0] + (TRANSPOSED if h[1] else "") not in taken]
+        hits.sort(key=lambda h: not (not h[1] and init.name.replace(".base_layer", "").endswith("." + h[0])))
         if not hits:
             if init.dims and int(np.prod(init.dims)) > 1:
                 unmatched.append(init.name)

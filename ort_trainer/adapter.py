@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +23,33 @@ from onnx import numpy_helper
 
 from . import manifest as mf
 from .bundle import Bundle
+from .faults import InputError, native_writes, write_atomic
 
 
 def load_lora(checkpoint: str | Path, manifest: mf.Manifest) -> dict[str, np.ndarray]:
-    """ONNX name -> trained tensor, read from an ORT checkpoint (no session needed)."""
+    """ONNX name -> trained tensor, read from an ORT checkpoint (no session needed), or from the web runner's
+    safetensors checkpoint (the LoRA tensors by ONNX name, beside AdamW's moments)."""
+    if Path(checkpoint).suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(checkpoint))
+        return {n: tensors[n] for n in manifest.trainable_names}
     from .ort_training import CheckpointState
 
     params = CheckpointState.load_checkpoint(str(checkpoint)).parameters
     return {n: params[n].data for n in manifest.trainable_names}
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors, or InputError naming the file when it is not a readable one."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise InputError(f"{path}: not a readable safetensors file ({exc}). It is damaged or incomplete: copy "
+                         "it again.") from exc
 
 
 def to_peft(manifest: mf.Manifest, lora: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -62,11 +83,17 @@ def export_peft(manifest: mf.Manifest, lora: dict[str, np.ndarray], out_dir: str
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--peft {out}: exists and is not a directory. Choose another path.")
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".adapter_model.safetensors.tmp"
-    save_file(to_peft(manifest, lora), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config(manifest), indent=2) + "\n")
+    try:
+        with native_writes(out / "adapter_model.safetensors"):     # safetensors reports a full disk in its text
+            save_file(to_peft(manifest, lora), str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / "adapter_model.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_atomic(out / "adapter_config.json", json.dumps(adapter_config(manifest), indent=2) + "\n")
     return out
 
 
@@ -82,9 +109,18 @@ def export_onnx(bundle: Bundle, lora: dict[str, np.ndarray], out_path: str | Pat
         numpy_helper.from_array(np.ascontiguousarray(v, dtype=np.float32), n) for n, v in lora.items()
     )
     data_name = out.name + ".data"
-    for stale in (out, out.parent / data_name):
-        if stale.exists():
-            stale.unlink()
-    onnx.save(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data_name, size_threshold=1024)
+    # Both files are written in a directory beside them and renamed into place: a full disk or a kill leaves
+    # the previous export (or none), never a model whose data file is cut short.
+    stage = None
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        onnx.save(model, str(stage / out.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=data_name, size_threshold=1024)
+        os.replace(stage / data_name, out.parent / data_name)
+        os.replace(stage / out.name, out)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(out)) from exc
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
     return out

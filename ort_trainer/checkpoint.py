@@ -4,6 +4,9 @@ RUN/checkpoints/step-00000042/
     ort_checkpoint   ORT CheckpointState: LoRA weights + AdamW moments and step
     state.json       trainer state (step, data position, seed, ...) + sha256 of ort_checkpoint
 
+(The web runner writes the same layout with `web_state.safetensors` in place of ort_checkpoint, named by
+state.json's `weights_file`: `weights_file()` finds either, so export and eval read both kinds of run.)
+
 A directory only ever appears under its final name complete and synced, so a kill at any
 moment leaves either the previous checkpoints or the new one, never half of one. A checkpoint
 damaged afterwards (truncated copy, bad sector) fails its checksum and the previous is used.
@@ -16,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from .bundle import sha256_file
+from .faults import native_writes
 
 CHECKPOINTS = "checkpoints"
 ORT_FILE = "ort_checkpoint"
@@ -42,19 +46,26 @@ def save(run_dir: Path, session, state: dict, keep: int = 2) -> Path:
     final = root / f"{PREFIX}{state['step']:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    session.save(tmp / ORT_FILE)
-    _fsync_path(tmp / ORT_FILE)
-    record = dict(state, ort_checkpoint_sha256=sha256_file(tmp / ORT_FILE),
-                  ort_checkpoint_bytes=(tmp / ORT_FILE).stat().st_size)
-    with open(tmp / STATE_FILE, "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_path(tmp)
-    if final.exists():          # the same step saved again (e.g. after a signal): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        tmp.mkdir()
+        with native_writes(tmp / ORT_FILE):      # ORT reports a full disk as RuntimeError text "errno:28"
+            session.save(tmp / ORT_FILE)
+        _fsync_path(tmp / ORT_FILE)
+        record = dict(state, ort_checkpoint_sha256=sha256_file(tmp / ORT_FILE),
+                      ort_checkpoint_bytes=(tmp / ORT_FILE).stat().st_size)
+        with open(tmp / STATE_FILE, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if final.exists():          # the same step saved again (e.g. after a signal): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException as exc:    # e.g. a full disk: the half-written copy goes (it holds the space a
+        shutil.rmtree(tmp, ignore_errors=True)   # rerun needs); the previous checkpoints are untouched
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(final)) from exc   # the checkpoint, not its temp name
+        raise
     _fsync_path(root)
     _prune(root, keep)
     return final
@@ -72,16 +83,26 @@ def verify(path: Path) -> dict:
     """The state of a checkpoint directory, or CheckpointError saying what is wrong with it."""
     try:
         state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / STATE_FILE}: unreadable ({exc})") from exc
-    ort_file = path / ORT_FILE
-    if not ort_file.is_file():
-        raise CheckpointError(f"{ort_file}: missing")
-    if ort_file.stat().st_size != state.get("ort_checkpoint_bytes"):
-        raise CheckpointError(f"{ort_file}: {ort_file.stat().st_size} bytes, expected {state.get('ort_checkpoint_bytes')} (truncated)")
-    if sha256_file(ort_file) != state.get("ort_checkpoint_sha256"):
-        raise CheckpointError(f"{ort_file}: checksum mismatch (damaged)")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / STATE_FILE}: not a JSON object (damaged)")
+    weights = weights_file(path, state)
+    size, digest = (state.get("weights_bytes", state.get("ort_checkpoint_bytes")),
+                    state.get("weights_sha256", state.get("ort_checkpoint_sha256")))
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing")
+    if weights.stat().st_size != size:
+        raise CheckpointError(f"{weights}: {weights.stat().st_size} bytes, expected {size} (truncated)")
+    if sha256_file(weights) != digest:
+        raise CheckpointError(f"{weights}: checksum mismatch (damaged)")
     return state
+
+
+def weights_file(path: Path, state: dict) -> Path:
+    """The file of a checkpoint that holds the LoRA tensors: this runner's ORT checkpoint, or the one the web
+    runner (android_runner/web) names in its state (a safetensors file of the LoRA and AdamW's moments)."""
+    return Path(path) / state.get("weights_file", ORT_FILE)
 
 
 def latest(run_dir: Path, warn=print) -> tuple[Path, dict] | None:

@@ -7,9 +7,11 @@ that both sides can import it.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, fields
+import re
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -21,6 +23,8 @@ OPTIMIZER_MODEL = "optimizer_model.onnx"
 CHECKPOINT = "checkpoint"
 TOKENIZER_DIR = "tokenizer"
 CONFIG = "config.json"
+WEB_TRAINING_MODEL = "web_training_model.onnx"   # the web runner's gradient graph (artifacts_gen/web_graphs.py)
+WEB_LORA_INIT = "web_lora_init.safetensors"     # the checkpoint's LoRA tensors, for the web runner
 
 # Graph interface (both training and eval models take these inputs).
 INPUT_NAMES = ("input_ids", "attention_mask", "labels", "loss_scale")
@@ -157,6 +161,10 @@ class Manifest:
             kw["files"] = [FileEntry(**_take(FileEntry, f, f"{origin}: files")) for f in data["files"]]
         except (TypeError, KeyError) as exc:
             raise ManifestError(f"{origin}: malformed manifest ({exc}); rebuild the bundle") from exc
+        for f in kw["files"]:
+            parts = f.path.split("/")
+            if not f.path or f.path.startswith("/") or "\0" in f.path or "\\" in f.path or ".." in parts:
+                raise ManifestError(f"{origin}: files: {f.path!r} is not a path inside the bundle; rebuild the bundle")
         return cls(**kw)
 
     @classmethod
@@ -167,8 +175,8 @@ class Manifest:
                 f"{path}: no manifest. Is {bundle_dir} a bundle made by `pocketlora gen`?"
             )
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            data = json.loads(path.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"{path}: not valid JSON ({exc}); the bundle is damaged, rebuild it") from exc
         return cls.from_dict(data, str(path))
 
@@ -188,4 +196,35 @@ def _take(cls, data: dict[str, Any], origin: str) -> dict[str, Any]:
     missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
     if missing:
         raise ManifestError(f"{origin}: missing field(s) {', '.join(missing)}; rebuild the bundle")
-    return {f.name: data[f.name] for f in fields(cls) if f.name in data}
+    kw = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+    hints = get_type_hints(cls)
+    for name, value in kw.items():
+        if not _fits(value, hints[name]):
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+            raise ManifestError(f"{origin}: {name} is {shown}, not of type {_type_name(hints[name])}; the manifest "
+                                "is damaged: rebuild the bundle")
+    return kw
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether a JSON value has the field's declared type (nested dataclasses are checked when built)."""
+    if tp is Any or is_dataclass(tp):
+        return True
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", getattr(tp, "__name__", None) if get_origin(tp) is None else str(tp))

@@ -238,7 +238,7 @@ def _check_record(p: Path, lineno: int, rec: Any) -> tuple[str, list[dict] | dic
                 raise DataError(f'{where}: "{key}" must be a string, got {type(v).__name__}')
             fields_[key] = v
         return "instruction", fields_
-    keys = ", ".join(sorted(map(str, rec))) or "none"
+    keys = ", ".join(sorted(k if k.isprintable() else repr(k) for k in map(str, rec))) or "none"   # one line
     raise DataError(f'{where}: unknown record (keys: {keys}); use {{"instruction": ..., "input": ..., "output": ...}} '
                     'or {"messages": [{"role": ..., "content": ...}, ...]}')
 

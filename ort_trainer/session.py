@@ -6,6 +6,7 @@ loss_scale input makes the sum the mean over the effective batch) and are consum
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import onnxruntime as ort
 from .ort_training import CheckpointState, Module, Optimizer
 
 from . import manifest as mf
-from .bundle import Bundle
+from .bundle import Bundle, blame_damage
 from .optimizer_graph import AdamWSpec, write_adamw
 
 MEMORY_MODES = ("normal", "low")
@@ -82,16 +83,18 @@ class TrainSession:
     ):
         self.bundle = bundle
         self.names = bundle.manifest.trainable_names
-        self.state = CheckpointState.load_checkpoint(str(checkpoint or bundle.file(mf.CHECKPOINT)))
-        self.module = Module(str(bundle.file(mf.TRAINING_MODEL)), self.state, None, "cpu",
-                             options.session_options(training=True))
+        with blame_damage(bundle):
+            self.state = CheckpointState.load_checkpoint(str(checkpoint or bundle.file(mf.CHECKPOINT)))
+            self.module = Module(str(bundle.file(mf.TRAINING_MODEL)), self.state, None, "cpu",
+                                 options.session_options(training=True))
         optimizer_path = bundle.file(mf.OPTIMIZER_MODEL)
         if adamw is not None and adamw.to_dict() != bundle.manifest.optimizer:
             # The run asks for other hyperparameters than the bundle baked in: build its own graph.
             optimizer_path = Path(work_dir or bundle.path) / "optimizer_model.run.onnx"
             write_adamw(optimizer_path, adamw)
         self.adamw = adamw or AdamWSpec(**bundle.manifest.optimizer)
-        self.optimizer = Optimizer(str(optimizer_path), self.module)
+        with blame_damage(bundle):
+            self.optimizer = Optimizer(str(optimizer_path), self.module)
         self.module.train()
 
     # -- one micro-batch / one optimizer step -------------------------------------------------
@@ -137,7 +140,9 @@ class EvalSession:
     def __init__(self, bundle: Bundle | None, lora: dict[str, np.ndarray], options: RuntimeOptions = RuntimeOptions(),
                  model_path: str | Path | None = None):
         path = model_path or bundle.file(mf.EVAL_MODEL)
-        self.session = ort.InferenceSession(str(path), options.session_options(), providers=["CPUExecutionProvider"])
+        with blame_damage(bundle) if bundle is not None else contextlib.nullcontext():
+            self.session = ort.InferenceSession(str(path), options.session_options(),
+                                                providers=["CPUExecutionProvider"])
         self.lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
 
     @classmethod

@@ -118,21 +118,33 @@ def test_sigkill_twenty_times_then_resume_gives_the_same_adapter(setup, straight
     run = tmp_path / "run"
     cfg = _cfg(bundle, data, save_every=1, max_steps=TOTAL)
     rng = random.Random(1234)
-    last_ckpt_step, kills = 0, 0
+    last_ckpt_step, kills, kills_after_a_save = 0, 0, 0
+
+    def newest_saved() -> int:               # by name: a checkpoint directory appears only complete
+        return max((int(p.name[len(checkpoint.PREFIX):]) for p in (run / checkpoint.CHECKPOINTS).glob("step-*")),
+                   default=0)
     while kills < 20:
         proc = subprocess.Popen(_cli_args(cfg, run), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.5, 3.0))
+        # The kill lands at a random moment after this start's first save (however slow the host is to start
+        # it): mid-step, mid-save or between, and never before the run has anything to lose.
+        deadline = time.time() + 120
+        while proc.poll() is None and newest_saved() <= last_ckpt_step and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
         if proc.poll() is not None:          # finished before the kill: start over to keep killing
             shutil.rmtree(run)
             last_ckpt_step = 0
             continue
+        saved_before_kill = newest_saved()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
+        kills_after_a_save += saved_before_kill > last_ckpt_step
         found = checkpoint.latest(run, warn=lambda *_: None)
         step = found[1]["step"] if found else 0
-        assert step >= last_ckpt_step          # a kill never takes away a completed checkpoint
+        assert step >= saved_before_kill > 0   # a kill never takes away a completed checkpoint
         last_ckpt_step = step
+    assert kills_after_a_save == kills == 20   # every kill came after a checkpoint of its own start
     result = subprocess.run(_cli_args(cfg, run), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert _steps_logged(run) == list(range(1, TOTAL + 1))   # every step once, none lost or doubled
@@ -159,6 +171,69 @@ def test_damaged_newest_checkpoint_falls_back(setup, straight, tmp_path):
     _, want = _final_lora(straight, bundle)
     for k in want:
         assert np.abs(got[k] - want[k]).max() <= 1e-6
+
+
+class ScriptedProbe:
+    """One reading per read(), in order; the last one repeats. `reads` counts them."""
+    name = "scripted"
+
+    def __init__(self, script):
+        self.script, self.reads = script, 0
+
+    def read(self):
+        reading = self.script[min(self.reads, len(self.script) - 1)]
+        self.reads += 1
+        return reading
+
+
+def test_loop_obeys_the_gate_step_by_step(setup, tmp_path, monkeypatch):
+    """Against the readings themselves, not the log: the loop steps only on readings where the gate allows it, saves
+    a checkpoint as it stops for a pause or a cool-down, waits poll_s while stopped, and in slow mode sleeps
+    last_step_s * (1/slow_factor - 1) after each step. Fails for a loop that skips the gate's decision, one that
+    pauses without a checkpoint, or a slow mode that does not slow."""
+    import android_runner.loop as loop
+    from android_runner.probes import BatteryReading
+
+    def r(percent, charging=False, temp=30.0):
+        return BatteryReading(percent=percent, charging=charging, temp_c=temp, source="script")
+
+    script = [r(80), r(80),                 # 0-1 full: steps 1, 2
+              r(50), r(50),                 # 2-3 slow: steps 3, 4, each followed by a sleep
+              r(10), r(20),                 # 4-5 paused (20 <= resume-above 30): checkpoint at 4, then wait
+              r(10, charging=True), r(90),  # 6-7 full (charging, then charged): steps 5, 6
+              r(45, temp=50), r(45, temp=40),   # 8-9 cooling (40 > 42 - 3): checkpoint at 6, then wait
+              r(90), r(90)]                 # 10-11 full: steps 7, 8 (the last, saved as final)
+    probe = ScriptedProbe(script)
+    monkeypatch.setattr(loop, "make_probe", lambda *a, **k: probe)
+    steps, saves, sleeps = [], [], []
+    real_step, real_save = loop.train_step, checkpoint.save
+
+    def train_step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        steps.append((probe.reads - 1, result.seconds))
+        return result
+
+    def save(run_dir, session, state, **kw):
+        saves.append((probe.reads - 1, state["step"], state["reason"]))
+        return real_save(run_dir, session, state, **kw)
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(loop.StopFlag, "sleep", lambda self, s: sleeps.append((probe.reads - 1, s)))
+    bundle, data, _ = setup
+    gate = asdict(GateConfig(slow_factor=0.25, poll_s=7.0))
+    summary = train(_cfg(bundle, data, battery="scripted", gate=gate, max_steps=8, save_every=100), tmp_path / "run",
+                    log=lambda *_: None)
+    assert summary["finished"]
+    assert [i for i, _ in steps] == [0, 1, 2, 3, 6, 7, 10, 11]          # never on a paused or cooling reading
+    assert saves == [(4, 4, "gate paused"), (8, 6, "gate cooling"), (11, 8, "final")]
+    step_s = dict(steps)
+    assert [i for i, _ in sleeps] == [2, 3, 4, 5, 8, 9]
+    slow = [s for i, s in sleeps if i in (2, 3)]                        # after steps 3 and 4: 3x the step before
+    assert slow == pytest.approx([3 * step_s[1], 3 * step_s[2]]) and min(slow) > 0
+    assert [s for i, s in sleeps if i not in (2, 3)] == [7.0] * 4       # paused and cooling: poll, no step
+    gates = [json.loads(line)["gate"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert gates == ["full", "full", "slow", "slow", "full", "full", "full", "full"]
 
 
 def test_battery_gate_in_the_loop(setup, tmp_path):
