@@ -82,8 +82,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     from ort_trainer.adapter import export_onnx, load_lora
     from ort_trainer.session import EvalSession
 
-    from .cli import bos_windows
-    from .metrics import perplexity, perplexity_by_position
+    from .inputs import bos_windows
+    from .scoring import perplexity, perplexity_by_position
     from .ort_scorer import OrtScorer
 
     recipe = recipe or Recipe()
@@ -145,8 +145,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     timings["train_s"] = time.time() - t
 
     t = _phase(log, 5, "after fine-tuning: held-out questions, perplexity, samples on plain onnxruntime")
-    path, _ = checkpoint.latest(run_dir)
-    trained = load_lora(path / checkpoint.ORT_FILE, bundle.manifest)
+    path, state = checkpoint.latest(run_dir)
+    trained = load_lora(checkpoint.weights_file(path, state), bundle.manifest)
     tuned = OrtScorer(bundle, trained)
     after = _answers(tuned, tok, questions, recipe.max_new_tokens)
     ppl_after = wiki_ppl(tuned)
@@ -207,6 +207,16 @@ def _train_on_device(bundle_dir: Path, data: Path, run_dir: Path, recipe: Recipe
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]) as proc:
         for line in proc.stdout:
             log(line.rstrip())
+    if proc.returncode in (2, 3):             # its one-line error is above (ort_trainer.faults)
+        from ort_trainer.faults import StageFailed
+
+        raise StageFailed(f"device training stopped (exit {proc.returncode}), see its error above; once fixed, the "
+                          f"same command resumes the run in {run_dir}", proc.returncode)
+    if proc.returncode < 0:                    # killed (the out-of-memory killer, a person): nothing is lost
+        from ort_trainer.faults import StageFailed
+
+        raise StageFailed(f"device training was killed by signal {-proc.returncode}; the same command resumes the "
+                          f"run in {run_dir} from its last checkpoint", 3)
     if proc.returncode != 0:
         raise RuntimeError(f"device training failed (exit {proc.returncode}): {' '.join(cmd)}")
     return json.loads((run_dir / SUMMARY).read_text())

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .parity import ORT_RUN, TORCH_RESULT, TORCH_RUN, _read_metrics, rel_diffs
+from .parity import ORT_RUN, TORCH_RESULT, TORCH_RUN, read_metrics
+from .parity_checks import rel_diffs
 
 
 def noise_floor(report_dir: str | Path, second_run: str | Path) -> dict:
@@ -36,8 +37,8 @@ def noise_floor(report_dir: str | Path, second_run: str | Path) -> dict:
                          f"({', '.join(f'{k}: {first_cfg.get(k)!r} vs {second_cfg.get(k)!r}' for k in diff)})")
     if first_cfg["micro_batch"] * first_cfg["accum"] != second_cfg["micro_batch"] * second_cfg["accum"]:
         raise ValueError("the two ORT runs must have the same examples per step (micro-batch x accum)")
-    ort = [float(m["loss"]) for m in _read_metrics(report_dir / ORT_RUN)]
-    ort2 = [float(m["loss"]) for m in _read_metrics(second_run)]
+    ort = [float(m["loss"]) for m in read_metrics(report_dir / ORT_RUN)]
+    ort2 = [float(m["loss"]) for m in read_metrics(second_run)]
     torch = [float(x) for x in json.loads((report_dir / TORCH_RUN / TORCH_RESULT).read_text())["losses"]]
     n = min(len(ort), len(ort2), len(torch))
     vs_torch, vs_ort = rel_diffs(ort[:n], torch[:n]), rel_diffs(ort2[:n], ort[:n])

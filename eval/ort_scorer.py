@@ -1,4 +1,4 @@
-"""eval.metrics.Scorer over a bundle's ONNX eval model (ONNX Runtime inference, no torch).
+"""eval.scoring.Scorer over a bundle's ONNX eval model (ONNX Runtime inference, no torch).
 
 The eval graph takes input_ids, attention_mask, labels and loss_scale and returns
 `loss` = loss_scale * summed shifted NLL over the labelled tokens, plus `logits` [N, V] at the N
@@ -69,7 +69,7 @@ def lora_from_run(run_dir: str | Path, manifest: mf.Manifest, warn=print) -> tup
     if found is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint yet; train at least one step first")
     path, state = found
-    return load_lora(path / checkpoint.ORT_FILE, manifest), int(state["step"])
+    return load_lora(checkpoint.weights_file(path, state), manifest), int(state["step"])
 
 
 def _check_adapter_config(cfg: dict, manifest: mf.Manifest, origin: str) -> None:
@@ -100,7 +100,8 @@ def lora_from_peft(peft_dir: str | Path, manifest: mf.Manifest) -> dict[str, np.
     transposed. The adapter must have exactly the bundle's LoRA tensors with matching shapes and
     the same r / alpha (they are baked into the graph).
     """
-    from safetensors.numpy import load_file
+    from ort_trainer.adapter import read_safetensors
+    from ort_trainer.faults import read_json
 
     d = Path(peft_dir)
     weights = d / "adapter_model.safetensors"
@@ -108,8 +109,8 @@ def lora_from_peft(peft_dir: str | Path, manifest: mf.Manifest) -> dict[str, np.
         raise FileNotFoundError(f"{weights}: not found; --peft takes a PEFT adapter directory "
                                 "(adapter_config.json + adapter_model.safetensors)")
     if (d / "adapter_config.json").is_file():
-        _check_adapter_config(json.loads((d / "adapter_config.json").read_text()), manifest, str(d))
-    state = load_file(str(weights))
+        _check_adapter_config(read_json(d / "adapter_config.json"), manifest, str(d))
+    state = read_safetensors(weights)
     # PEFT saves keys without the adapter name; tolerate a ".default" left in by hand-made files.
     state = {k.replace(".default.", "."): v for k, v in state.items()}
     want = {t.peft_key: t for t in manifest.trainable}

@@ -1,4 +1,4 @@
-"""eval.metrics.Scorer for a Hugging Face causal LM in PyTorch (the reference side)."""
+"""eval.scoring.Scorer for a Hugging Face causal LM in PyTorch (the reference side)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from eval.metrics import IGNORE_INDEX
+from .scoring import IGNORE_INDEX
 
 # Rows per forward are limited so that one float32 logits block stays below this many elements
 # (2**28 floats = 1 GiB); a row is never split.

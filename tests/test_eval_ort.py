@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval.cli import letter_ids, prompt_encoder, text_token_ids
-from eval.metrics import Scorer, mmlu_eval, mmlu_prompt, perplexity
+from eval.inputs import letter_ids, prompt_encoder, text_token_ids
+from eval.scoring import Scorer, mmlu_eval, mmlu_prompt, perplexity
 from eval.ort_scorer import OrtScorer, initial_lora, lora_from_peft
 from eval.torch_scorer import TorchScorer
 from ort_trainer.bundle import open_bundle

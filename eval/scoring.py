@@ -1,4 +1,4 @@
-"""Backend-agnostic evaluation metrics: sliding-window perplexity and k-shot MMLU.
+"""Scoring a model, backend-agnostic: sliding-window perplexity and k-shot MMLU.
 
 Everything here talks to a model only through the small `Scorer` protocol, so the same code
 scores the PyTorch reference (eval.torch_scorer.TorchScorer) and the ONNX Runtime eval model on
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -243,6 +243,13 @@ class MMLUResult:
     split: str
     predictions: list[dict]             # one per question, in (subject, index) order
     truncated: int = 0                  # questions whose 0-shot prompt was left-truncated to max_len
+
+
+def mmlu_summary(res: MMLUResult) -> dict:
+    """The result without the per-question predictions."""
+    d = asdict(res)
+    d.pop("predictions")
+    return d
 
 
 def _build_prompt_ids(encode, subject, pool, row, shots, max_len):

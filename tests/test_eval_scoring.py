@@ -1,4 +1,4 @@
-"""eval.metrics + eval.torch_scorer against independent numpy / PyTorch computations."""
+"""eval.scoring + eval.torch_scorer against independent numpy / PyTorch computations."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from eval.metrics import (
+from eval.scoring import (
     MMLUResult,
     PerplexityResult,
     Scorer,
