@@ -1,0 +1,207 @@
+"""Flower's ClientApp and ServerApp (the Message API of flwr 1.42) around device.py and the server's round loop.
+
+Messages. Server -> device, "train": RecordDict {"arrays": the global LoRA tensors (FFA: B only), "config":
+{"round", "out", "settings" (FederateConfig JSON)}}. Device -> server: {"metrics": {"device", "declined", and
+when it trained "loss", "tokens", "examples", "steps"}, "info": {"reason": the gate's}, "arrays": its tensors
+(FFA: B only), absent when it declined}. "evaluate" (after the last round): the same request; the reply carries
+device.final_phase's numbers. A device that fails replies with an error; the round goes on without it.
+
+The round loop is the server's own, not Strategy.start: it persists the global state after every round and
+resumes after a kill, which Strategy.start (always from round 1) does not.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from . import device as dev
+from . import state as fstate
+from .aggregate import b_names, fedavg, ffa, product_gap
+from .config import FederateConfig
+
+client_app = ClientApp()
+
+
+def _arrays(tensors: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({n: Array(np.ascontiguousarray(v, dtype=np.float32)) for n, v in tensors.items()})
+
+
+def _tensors(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {n: a.numpy() for n, a in record.items()}
+
+
+def _request(msg: Message) -> tuple[FederateConfig, str, int]:
+    conf = msg.content["config"]
+    return FederateConfig.from_json(str(conf["settings"])), str(conf["out"]), int(conf["round"])
+
+
+@client_app.train()
+def _train(msg: Message, context: Context) -> Message:
+    device = int(context.node_config["partition-id"])
+    cfg, out, rnd = _request(msg)
+    decision = dev.gate_for_round(cfg, out, device, rnd)
+    info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
+    if not decision.run_step:
+        return Message(RecordDict({"metrics": MetricRecord({"device": device, "declined": 1}), "info": info}),
+                       reply_to=msg)
+    sent, stats = dev.train_round(cfg, out, device, rnd, _tensors(msg.content["arrays"]))
+    metrics = MetricRecord({"device": device, "declined": 0, "loss": stats["loss"], "tokens": stats["tokens"],
+                            "examples": stats["examples"], "steps": stats["steps"]})
+    return Message(RecordDict({"arrays": _arrays(sent), "metrics": metrics, "info": info}), reply_to=msg)
+
+
+@client_app.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    device = int(context.node_config["partition-id"])
+    cfg, out, rnd = _request(msg)
+    decision = dev.gate_for_round(cfg, out, device, rnd)
+    info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
+    if not decision.run_step:
+        return Message(RecordDict({"metrics": MetricRecord({"device": device, "declined": 1}), "info": info}),
+                       reply_to=msg)
+    result = dev.final_phase(cfg, out, device, _tensors(msg.content["arrays"]))
+    metrics = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+    return Message(RecordDict({"metrics": MetricRecord({**metrics, "declined": 0}), "info": info}), reply_to=msg)
+
+
+# -- the server ---------------------------------------------------------------------------------------
+
+def _wait_for_nodes(grid: Grid, n: int, timeout_s: float = 300.0) -> list[int]:
+    t0 = time.time()
+    while len(nodes := sorted(grid.get_node_ids())) < n:
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"only {len(nodes)} of {n} devices connected within {timeout_s:g} s")
+        time.sleep(0.1)
+    return nodes
+
+
+def _send(grid: Grid, nodes: list[int], kind: str, arrays: dict[str, np.ndarray], cfg: FederateConfig,
+          out: Path, rnd: int) -> tuple[list[Message], int]:
+    payload = _arrays(arrays)
+    config = ConfigRecord({"round": rnd, "out": str(out), "settings": cfg.to_json()})
+    messages = [Message(RecordDict({"arrays": payload, "config": config}), message_type=kind, dst_node_id=n)
+                for n in nodes]
+    replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout_s))
+    return replies, payload.count_bytes() * len(nodes)
+
+
+def _split(replies: list[Message]) -> tuple[list[tuple[int, dict, dict[str, np.ndarray] | None, int]], dict, list]:
+    """(device, metrics, tensors, bytes) of the devices that trained; {device: reason} of those that declined;
+    the errors of those that failed."""
+    trained, declined, failed = [], {}, []
+    for m in replies:
+        if m.has_error():
+            failed.append(f"node {m.metadata.src_node_id}: {m.error.reason}")
+            continue
+        metrics = dict(m.content["metrics"])
+        d = int(metrics["device"])
+        if metrics["declined"]:
+            declined[d] = str(m.content["info"]["reason"])
+            continue
+        arrays = m.content["arrays"] if "arrays" in m.content else None
+        trained.append((d, metrics, _tensors(arrays) if arrays is not None else None,
+                        arrays.count_bytes() if arrays is not None else 0))
+    trained.sort(key=lambda t: t[0])
+    return trained, dict(sorted(declined.items())), failed
+
+
+def aggregate(cfg: FederateConfig, manifest, global_lora: dict[str, np.ndarray], updates: list[dict[str, np.ndarray]],
+              weights: list[float]) -> dict[str, np.ndarray]:
+    """The new global adapter from the participants' tensors (aggregate.py's rule for cfg.strategy)."""
+    if cfg.strategy == "ffa":
+        frozen_a = {n: v for n, v in global_lora.items() if n not in set(b_names(manifest))}
+        return ffa(updates, weights, frozen_a, b_names(manifest))
+    return fedavg(updates, weights, manifest.trainable_names)
+
+
+def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate.ServerState:
+    from ort_trainer import manifest as mf
+    from ort_trainer.adapter import load_lora
+    from ort_trainer.bundle import open_bundle
+
+    man = open_bundle(cfg.bundle, verify="none").manifest
+    config_sha = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in cfg.FIXED}, sort_keys=True).encode()).hexdigest()
+    st = fstate.load(out)
+    if st is None:
+        st = fstate.ServerState(0, load_lora(open_bundle(cfg.bundle, verify="none").file(mf.CHECKPOINT), man),
+                                config_sha256=config_sha)
+    elif st.config_sha256 != config_sha:
+        raise RuntimeError(f"{out / fstate.STATE} belongs to a run with other settings")
+    else:
+        log(f"resuming after round {st.round}/{cfg.rounds}")
+        fstate.write_rounds(out, st)        # a kill between the state and rounds.jsonl left the latter behind
+    nodes = _wait_for_nodes(grid, cfg.devices)
+    sent_names = b_names(man) if cfg.strategy == "ffa" else man.trainable_names
+    for rnd in range(st.round + 1, cfg.rounds + 1):
+        t0 = time.time()
+        replies, bytes_down = _send(grid, nodes, MessageType.TRAIN, {n: st.lora[n] for n in sent_names}, cfg, out, rnd)
+        trained, declined, failed = _split(replies)
+        usable = [t for t in trained if t[2] is not None]
+        updates = [t[2] for t in usable]
+        weights = [float(t[1][cfg.weight]) for t in usable]
+        if updates:
+            new = aggregate(cfg, man, st.lora, updates, weights)
+            full_updates = [{**st.lora, **u} for u in updates]     # FFA: A is the shared init
+            gap = product_gap(man, full_updates, weights, new)
+        else:
+            new, gap = st.lora, None
+        record = {
+            "round": rnd, "strategy": cfg.strategy, "weight": cfg.weight,
+            "loss": (float(np.average([t[1]["loss"] for t in usable], weights=weights)) if updates else None),
+            "participants": [t[0] for t in usable], "declined": declined, "failed": failed,
+            "missing": len(nodes) - len(replies),          # no reply within round_timeout_s
+            "weights": weights, "device_loss": {str(t[0]): t[1]["loss"] for t in usable},
+            "bytes_up": int(sum(t[3] for t in usable)), "bytes_down": int(bytes_down),
+            "product_gap": gap, "seconds": round(time.time() - t0, 3),
+        }
+        if cfg.keep_updates:
+            _keep(out, rnd, usable, new)
+        st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256)
+        fstate.save(out, st)
+        log(f"round {rnd}/{cfg.rounds}: loss {record['loss'] if record['loss'] is None else round(record['loss'], 4)}, "
+            f"{len(usable)} trained, {len(declined)} declined, {len(failed)} failed, "
+            f"{record['bytes_up'] / 1e6:.2f} MB up, {record['seconds']:.1f} s")
+    if not (out / fstate.FINAL).exists():
+        replies, _ = _send(grid, nodes, MessageType.EVALUATE, {n: st.lora[n] for n in sent_names}, cfg, out,
+                           cfg.rounds + 1)
+        results, declined, failed = [], {}, []
+        for m in replies:
+            if m.has_error():
+                failed.append(f"node {m.metadata.src_node_id}: {m.error.reason}")
+                continue
+            metrics = dict(m.content["metrics"])
+            if metrics["declined"]:
+                declined[int(metrics["device"])] = str(m.content["info"]["reason"])
+            else:
+                results.append(metrics)
+        final = {"devices": sorted(results, key=lambda r: r["device"]), "declined": dict(sorted(declined.items())),
+                 "failed": failed}
+        fstate.write_atomic(out / fstate.FINAL, json.dumps(final, indent=1).encode())
+        log(f"final phase: {len(results)} devices reported, {len(declined)} declined, {len(failed)} failed")
+    return st
+
+
+def _keep(out: Path, rnd: int, usable, new: dict[str, np.ndarray]) -> None:
+    d = out / "updates" / f"round-{rnd:03d}"
+    d.mkdir(parents=True, exist_ok=True)
+    for device, metrics, tensors, _ in usable:
+        np.savez(d / f"device-{device:03d}.npz", **{n.replace("/", "|"): v for n, v in tensors.items()})
+        (d / f"device-{device:03d}.json").write_text(json.dumps(metrics))
+    np.savez(d / "global.npz", **{n.replace("/", "|"): v for n, v in new.items()})
+
+
+def make_server_app(cfg: FederateConfig, out: Path, log=print) -> ServerApp:
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        server_loop(grid, cfg, out, log)
+
+    return app
