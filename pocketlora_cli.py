@@ -1,6 +1,7 @@
 """`pocketlora`: one command, one verb per stage of the flow. No logic lives here: each verb parses
 its options and calls into the packages (workstation: artifacts_gen, eval; device: ort_trainer,
-android_runner). Known, user-fixable errors print one line and exit 2."""
+android_runner). Faults of the inputs print one line and exit 2, faults of the environment (full disk, read-only
+output) one line and exit 3 (see main, docs/FAULTS.md)."""
 from __future__ import annotations
 
 import argparse
@@ -105,22 +106,22 @@ def _add_train(sub) -> None:
 
 def _export(args) -> None:
     _as_on_device()
-    from android_runner.loop import RUN_CONFIG
+    from android_runner.loop import RUN_CONFIG, read_run_config
     from ort_trainer import checkpoint
     from ort_trainer.bundle import open_bundle
     from ort_trainer.adapter import export_onnx, export_peft, load_lora
 
-    import json
     from pathlib import Path
 
     run = Path(args.run)
     if not (run / RUN_CONFIG).is_file():
         raise FileNotFoundError(f"{run}: not a training run (no {RUN_CONFIG}). Pass the --out of `pocketlora train`.")
-    bundle = open_bundle(json.loads((run / RUN_CONFIG).read_text())["bundle"], verify="sizes")
+    # --onnx copies the eval graph and every shard into the export: check them all, or a damaged byte goes along
+    bundle = open_bundle(read_run_config(run)["bundle"], verify="hashes" if args.onnx else "sizes")
     found = checkpoint.latest(run)
     if found is None:
         raise FileNotFoundError(f"{run}: no checkpoint yet; train at least one step (or --save-every) first.")
-    lora = load_lora(found[0] / checkpoint.ORT_FILE, bundle.manifest)
+    lora = load_lora(checkpoint.weights_file(*found), bundle.manifest)
     if args.peft:
         print(f"PEFT adapter (step {found[1]['step']}): {export_peft(bundle.manifest, lora, args.peft)}")
     if args.onnx:
@@ -133,6 +134,47 @@ def _add_export(sub) -> None:
     p.add_argument("--peft", help="output directory: adapter_config.json + adapter_model.safetensors")
     p.add_argument("--onnx", help="output .onnx for plain onnxruntime (weights beside it in .onnx.data)")
     p.set_defaults(func=_export)
+
+
+def _web(args) -> None:
+    from functools import partial
+
+    from android_runner.web_server import make_server
+
+    server = make_server(args.bundle, host=args.host, port=args.port, data_dir=args.data_dir,
+                         log=None if args.quiet else partial(print, flush=True))
+    host, port = server.server_address[:2]
+    print(f"phone runner page for {args.bundle}: http://{host}:{port}/  (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def _add_web(sub) -> None:
+    p = sub.add_parser("web", help="device: serve the phone runner's page (training in the browser, WASM) for a bundle")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback). A phone: keep "
+                   "loopback and run `adb reverse tcp:PORT tcp:PORT`, then open http://localhost:PORT there; the page "
+                   "needs a secure context (localhost or https) for its storage and threads")
+    p.add_argument("--quiet", action="store_true", help="no request log")
+    p.add_argument("--data-dir", help="for tests and automation: also serve this directory at /data/, so that "
+                                      "the page can be given ?data=/data/FILE (a person picks a local file instead)")
+    p.set_defaults(func=_web)
+
+
+def _setup(args) -> None:
+    from android_runner.web_setup import setup
+
+    setup()
+
+
+def _add_setup(sub) -> None:
+    p = sub.add_parser("setup", help="install the phone runner's npm packages (and Chromium, for its page tests)")
+    p.set_defaults(func=_setup)
 
 
 def _demo(args) -> None:
@@ -153,7 +195,7 @@ def _add_demo(sub) -> None:
 
 
 def _eval_ppl(args) -> None:
-    from eval.cli import print_ppl, run_ppl, write_json
+    from eval.verbs import print_ppl, run_ppl, write_json
 
     result = run_ppl(args.bundle, args.data, run=args.run, peft=args.peft, seq_len=args.seq_len, stride=args.stride,
                      max_tokens=args.max_tokens, backend=args.backend, threads=args.threads,
@@ -163,7 +205,7 @@ def _eval_ppl(args) -> None:
 
 
 def _eval_mmlu(args) -> None:
-    from eval.cli import print_mmlu, run_mmlu, write_json
+    from eval.verbs import print_mmlu, run_mmlu, write_json
 
     result = run_mmlu(args.bundle, args.data, run=args.run, peft=args.peft, shots=args.shots,
                       subjects=args.subjects, split=args.split, limit=args.limit, backend=args.backend,
@@ -174,6 +216,7 @@ def _eval_mmlu(args) -> None:
 
 
 def _eval_parity(args) -> None:
+    from eval.verbs import print_parity
     from eval.parity import ParityConfig, run_parity
 
     report = run_parity(ParityConfig(
@@ -183,10 +226,7 @@ def _eval_parity(args) -> None:
         mmlu_limit=args.mmlu_limit, mmlu_split=args.mmlu_split, shots=args.shots, threads=args.threads,
         isolate=not args.in_process, force=args.force,
     ))
-    for check in report["checks"]:
-        print(f"{check['status']}  {check['name']} = {check['value']:.3g} (threshold {check['threshold']:g}): "
-              f"{check['detail']}")
-    print(f"parity {'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
+    print_parity(report, args.out)
 
 
 def _add_eval(sub) -> None:
@@ -250,6 +290,22 @@ def _add_eval(sub) -> None:
     q.set_defaults(func=_eval_parity)
 
 
+def _federate(args) -> None:
+    _as_on_device()      # the server and the devices need no torch either
+    from federated.cli import config_from_args
+    from federated.run import federate
+
+    federate(config_from_args(args), args.out)
+
+
+def _add_federate(sub) -> None:
+    from federated.cli import add_arguments
+
+    p = sub.add_parser("federate", help="simulation: federated LoRA personalization over N virtual devices (Flower)")
+    add_arguments(p)
+    p.set_defaults(func=_federate)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already names the problem and the fix."""
     errors: list[type[BaseException]] = [FileExistsError, FileNotFoundError]
@@ -273,6 +329,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         errors += [DataError, RunError]
     except ImportError:
         pass
+    from android_runner.web_server import WebServerError
+    from android_runner.web_setup import SetupError
+
+    errors += [WebServerError, SetupError]
     return tuple(errors)
 
 
@@ -283,20 +343,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_export(sub)
     _add_demo(sub)
+    _add_web(sub)
+    _add_setup(sub)
     _add_eval(sub)
+    _add_federate(sub)
     return parser
 
 
+# What a rerun does after a fault of the environment (exit 3), by verb.
+RERUN = {
+    "gen": "The --out is as it was: {fix} and run the same command again",
+    "train": "Nothing saved is lost: {fix} and run the same command again to resume",
+    "export": "The run is untouched: {fix} and run the same command again",
+    "eval": "{Fix} and run the same command again",
+    "demo": "{Fix} and run the same command again: finished stages are reused",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """0 done; 2 a fault of the inputs or options (the message names the file and the fix); 3 a fault of the
+    environment (full disk, read-only or unwritable output: fix it and rerun). Anything else is a bug and
+    keeps its traceback. See ort_trainer/faults.py and docs/FAULTS.md."""
+    from ort_trainer.faults import StageFailed, environment_fault, fix_hint
+
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except _user_errors() as exc:
         print(f"pocketlora {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except StageFailed as exc:
+        print(f"pocketlora {args.verb}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except ValueError as exc:
         print(f"pocketlora {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        fault = environment_fault(exc)
+        if fault is None:
+            raise
+        fix = fix_hint(exc)
+        rerun = RERUN.get(args.verb, RERUN["eval"]).format(fix=fix, Fix=fix.capitalize())
+        print(f"pocketlora {args.verb}: error: {fault}. {rerun}.", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -2,21 +2,25 @@
 // pocketlora-web: the phone runner's training loop on Node (onnxruntime-web WASM).
 //
 //   node cli.mjs train --bundle B --data D --out R (--max-steps N | --epochs N) [--micro-batch 1 --accum 8
-//        --lr 2e-4 --warmup 10 --schedule cosine --clip 1.0 --weight-decay 0 --seed 0 --save-every 50 --threads 1]
+//        --lr 2e-4 --warmup 10 --schedule cosine --clip 1.0 --weight-decay 0 --seed 0 --save-every 50 --threads 1
+//        --battery auto|termux|replay:TRACE.csv[@SPEED]|none --slow-below 60 --slow-factor 0.5 --pause-below 15
+//        --resume-above 30 --max-temp 42]
 //
 // Flags and defaults are `pocketlora train`'s. Running the same command again on an existing --out resumes
-// from its last good checkpoint; SIGTERM/SIGINT finish the micro-batch, checkpoint and exit 0. Known,
+// from its last good checkpoint; SIGTERM/SIGINT finish the micro-batch, checkpoint and exit 0. The battery gate
+// is android_runner/loop.py's (src/gate; `browser`, the Battery Status API, exists only in the page). Known,
 // user-fixable errors print one line and exit 2. The run directory is read by `pocketlora export --run R`.
 import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 
-import { loadOrt } from './src/node/ort.mjs';
-import { NodeRunStore, openBundleDir } from './src/node/store.mjs';
+import { collectGarbage, loadOrt } from './src/node/ort.mjs';
+import { NodeRunStore, cpuSeconds, openBundleDir } from './src/node/store.mjs';
 import { FORMAT as PRETOKENIZED, PretokenizedSource } from './src/pretokenized.mjs';
 import { DEFAULTS, RunError, train } from './src/runner.mjs';
 import { EngineError } from './src/engine.mjs';
+import { makeProbe } from './src/gate/index.mjs';
 
 const HERE = path.dirname(fileURLToPath(import.meta.url));
 
@@ -26,8 +30,14 @@ const TRAIN_FLAGS = {
   'micro-batch': { type: 'string' }, accum: { type: 'string' }, lr: { type: 'string' }, warmup: { type: 'string' },
   schedule: { type: 'string' }, clip: { type: 'string' }, 'weight-decay': { type: 'string' }, seed: { type: 'string' },
   'group-by-length': { type: 'boolean' }, 'save-every': { type: 'string' }, threads: { type: 'string' },
+  battery: { type: 'string' }, 'slow-below': { type: 'string' }, 'slow-factor': { type: 'string' },
+  'pause-below': { type: 'string' }, 'resume-above': { type: 'string' }, 'max-temp': { type: 'string' },
   help: { type: 'boolean', short: 'h' },
 };
+// pocketlora train's gate flags -> GateConfig fields (its defaults when absent: src/gate/policy.mjs).
+const GATE_FLAGS = { 'slow-below': 'slow_below', 'slow-factor': 'slow_factor', 'pause-below': 'pause_below',
+  'resume-above': 'resume_above', 'max-temp': 'max_temp' };
+const NODE_PROBES = 'auto|termux|replay:TRACE.csv[@SPEED]|none';
 
 class UsageError extends Error {}
 
@@ -63,8 +73,23 @@ export function parseTrainArgs(argv) {
       weight_decay: pick('weight-decay', 'weight_decay', false), seed: pick('seed', 'seed', true),
       group_by_length: Boolean(values['group-by-length']), save_every: pick('save-every', 'save_every', true),
       threads: pick('threads', 'threads', true),
+      battery: values.battery ?? DEFAULTS.battery,
+      gate: { ...DEFAULTS.gate, ...Object.fromEntries(Object.entries(GATE_FLAGS)
+        .filter(([flag]) => values[flag] !== undefined).map(([flag, key]) => [key, number(flag, values[flag], false)])) },
     },
   };
+}
+
+/** The battery probe for --battery, built before the (slow) session so that a bad spec fails at once. */
+async function openProbe(spec, options) {
+  if (spec.trim() === 'browser') {
+    throw new UsageError(`--battery browser: the Battery Status API is the page's (pocketlora web); here: ${NODE_PROBES}`);
+  }
+  try {
+    return await makeProbe(spec, options);
+  } catch (e) {
+    throw new UsageError(`--battery ${spec}: ${e.message}`);
+  }
 }
 
 /** The data source for --data: a pre-tokenized micro-batch file, else a training file through src/data/. */
@@ -82,25 +107,33 @@ async function openData(cfg, bundle) {
 }
 
 const USAGE = 'usage: cli.mjs train --bundle B --data D --out R (--max-steps N | --epochs N) [--micro-batch N] [--accum N] ' +
-  '[--lr F] [--warmup N] [--schedule cosine|linear|constant] [--clip F] [--weight-decay F] [--seed N] [--save-every N] [--threads N]';
+  '[--lr F] [--warmup N] [--schedule cosine|linear|constant] [--clip F] [--weight-decay F] [--seed N] [--save-every N] [--threads N] ' +
+  `[--battery ${NODE_PROBES}] [--slow-below F] [--slow-factor F] [--pause-below F] [--resume-above F] [--max-temp F]`;
 
-async function main(argv) {
+/**
+ * The `train` command. hooks (tests only; the command line never sets them): probeOptions (e.g. a replay
+ * clock), gate (GateConfig fields the CLI has no flag for, e.g. poll_s), wrapStore(store) -> store.
+ */
+export async function main(argv, hooks = {}) {
   const [verb, ...rest] = argv;
   if (verb !== 'train') throw new UsageError(USAGE);
   const args = parseTrainArgs(rest);
   if (args.help) { console.log(USAGE); return 0; }
   const { cfg, out } = args;
+  if (hooks.gate) cfg.gate = { ...cfg.gate, ...hooks.gate };
 
   let stopSignal = null;
   for (const sig of ['SIGTERM', 'SIGINT']) process.on(sig, () => { stopSignal = sig; });
 
+  const log = (m) => console.error(m);
   const bundle = await openBundleDir(cfg.bundle);
   const data = await openData(cfg, bundle);
+  const probe = await openProbe(cfg.battery, { log, ...(hooks.probeOptions ?? {}) });
   const ort = await loadOrt({ threads: cfg.threads });
+  const store = new NodeRunStore(out);
   await train(cfg, {
-    ort, bundle, data, store: new NodeRunStore(out),
-    shouldStop: () => stopSignal !== null, stopReason: () => stopSignal,
-    log: (m) => console.error(m),
+    ort, bundle, data, store: hooks.wrapStore ? hooks.wrapStore(store) : store, probe, cpuSeconds, collectGarbage,
+    shouldStop: () => stopSignal !== null, stopReason: () => stopSignal, log,
   });
   return 0;
 }

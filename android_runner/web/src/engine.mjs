@@ -69,6 +69,9 @@ export class LoraEngine {
    * ort: the onnxruntime-web training module. bundle: {manifest, read(relPath) -> Promise<Uint8Array>}.
    * options.adamw: {clip, weight_decay} overriding the manifest's optimizer (as `pocketlora train` does).
    * options.sessionOptions: extra InferenceSession options.
+   * options.collectGarbage: () => void, called once the session holds the weights (Node: src/node/ort.mjs). The
+   *   shards' JS copies (1.07 GB for Gemma3-270M) are garbage then, but V8 may keep them for many steps: in the
+   *   demo's run they were still resident at step 2, whose activations grew the WASM heap (peak RSS 3.72 GB).
    */
   static async open(ort, bundle, options = {}) {
     const man = bundle.manifest;
@@ -84,9 +87,15 @@ export class LoraEngine {
     for (const entry of man.files.filter((e) => e.role === 'shard')) {
       externalData.push({ path: entry.path, data: await bundle.read(entry.path) });
     }
+    // No prepacking, as ORT's training Module (ort_trainer/session.py): prepacked copies of the frozen MatMul
+    // weights do not fit WASM's 4 GB heap beside the weights themselves (Gemma3-270M: the session could not be
+    // created, heap exhausted; without them, 2.75 GB RSS after creation, the shards' JS copies included).
     const session = await ort.InferenceSession.create(model, {
-      externalData, logSeverityLevel: 3, graphOptimizationLevel: 'all', ...(options.sessionOptions ?? {}),
+      externalData, logSeverityLevel: 3, graphOptimizationLevel: 'all',
+      extra: { session: { disable_prepacking: '1' } }, ...(options.sessionOptions ?? {}),
     });
+    externalData.length = 0;                  // ORT has copied the weights into its heap; drop the JS copies
+    options.collectGarbage?.();
     const init = readSafetensors(await bundle.read(fileWithRole(man, 'web_lora_init', WEB_LORA_INIT)));
     return new LoraEngine(ort, man, session, init.tensors, { ...man.optimizer, ...(options.adamw ?? {}) });
   }

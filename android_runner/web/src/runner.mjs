@@ -1,7 +1,7 @@
-// The run: settings, resume, steps, metrics, checkpoints, stop requests. android_runner/loop.py's contract
-// (same settings, defaults, run.json fields, metrics.jsonl keys and resume rules) without the battery gate
-// yet. Platform-free: files go through a `store` (node/store.mjs on Node; a browser store would use OPFS),
-// examples through a data source:
+// The run: settings, resume, battery gate, steps, metrics, checkpoints, stop requests. android_runner/loop.py's
+// contract (same settings, defaults, run.json fields, metrics.jsonl keys, summary fields, resume rules and gate
+// semantics). Platform-free: files go through a `store` (node/store.mjs on Node; a browser store would use
+// OPFS), examples through a data source:
 //
 //   data source = {
 //     microBatchesPerEpoch: number,          // DataOrder.steps_per_epoch(): micro-batches in one epoch
@@ -11,14 +11,17 @@
 //   }
 import { LoraEngine, EngineError } from './engine.mjs';
 import { lrAt, SCHEDULES } from './schedule.mjs';
+import { EnergyMeter } from './energy.mjs';
+import { GateConfig, GateState, GateTracker, SafeProbe, makeProbe } from './gate/index.mjs';
 
 export class RunError extends Error {}
 
-// ort_trainer.settings.TrainSettings + android_runner.loop.RunConfig defaults.
+// ort_trainer.settings.TrainSettings + android_runner.loop.RunConfig defaults. battery, gate and threads are not
+// part of the training's definition: they may change between resumes (run.json keeps the first start's).
 export const DEFAULTS = {
   bundle: null, data: null, epochs: null, max_steps: null, micro_batch: 1, accum: 8, lr: 2e-4, warmup: 10,
   schedule: 'cosine', clip: 1.0, weight_decay: 0.0, seed: 0, group_by_length: false, save_every: 50,
-  threads: 0,
+  battery: 'auto', gate: new GateConfig().toJSON(), threads: 0,
 };
 export const FIXED = ['bundle', 'data', 'epochs', 'max_steps', 'micro_batch', 'accum', 'lr', 'warmup', 'schedule',
   'clip', 'weight_decay', 'seed', 'group_by_length'];
@@ -30,6 +33,23 @@ export function validate(cfg) {
   }
   if (!SCHEDULES.includes(cfg.schedule)) throw new RunError(`--schedule ${cfg.schedule}: use one of ${SCHEDULES.join(', ')}`);
   if (!(cfg.lr > 0)) throw new RunError('--lr must be > 0');
+  try {
+    new GateConfig(cfg.gate ?? {}).validate();
+  } catch (e) {
+    throw new RunError(e.message);
+  }
+}
+
+const round = (x, digits) => Math.round(x * 10 ** digits) / 10 ** digits;
+
+/** Sleep `seconds`, or less if shouldStop() turns true (checked every 50 ms): Python's Event.wait. */
+export async function interruptibleSleep(seconds, shouldStop = () => false) {
+  const end = Date.now() + seconds * 1000;
+  while (!shouldStop()) {
+    const left = end - Date.now();
+    if (left <= 0) return;
+    await new Promise((resolve) => setTimeout(resolve, Math.min(left, 50)));
+  }
 }
 
 function settle(saved, cfg, runDir) {
@@ -51,18 +71,24 @@ function settle(saved, cfg, runDir) {
 /**
  * Train. ort: onnxruntime-web training module; bundle: {manifest, read}; data: a data source; store: run files.
  * options: {log, shouldStop: () => bool (a signal: finish the micro-batch, checkpoint, return),
- *           afterStep: (step) => void, sessionOptions}.
+ *           stopReason: () => string, sessionOptions,
+ *           probe: a battery probe (src/gate; default: makeProbe(cfg.battery, probeOptions)), probeOptions,
+ *           sleep: (seconds) => Promise (default: interruptibleSleep with shouldStop),
+ *           cpuSeconds: () => number (process CPU time for the energy estimate; absent in a browser),
+ *           collectGarbage: () => void (after the session is created; see LoraEngine.open)}.
  */
 export async function train(cfg, { ort, bundle, data, store, log = console.log, shouldStop = () => false,
-  stopReason = () => 'signal', sessionOptions } = {}) {
+  stopReason = () => 'signal', sessionOptions, probe = null, probeOptions = {}, sleep = null,
+  cpuSeconds = null, collectGarbage = null } = {}) {
   cfg = { ...DEFAULTS, ...cfg };
+  cfg.gate = new GateConfig(cfg.gate ?? {}).toJSON();
   cfg.clip = cfg.clip && cfg.clip > 0 ? cfg.clip : null;
   validate(cfg);
   let resuming;
   [cfg, resuming] = settle(await store.loadConfig(), cfg, store.runDir);
 
   const engine = await LoraEngine.open(ort, bundle, {
-    adamw: { clip: cfg.clip, weight_decay: cfg.weight_decay }, sessionOptions,
+    adamw: { clip: cfg.clip, weight_decay: cfg.weight_decay }, sessionOptions, collectGarbage,
   });
   if (!resuming) await store.saveConfig({ ...cfg, runner: 'web' });
 
@@ -79,6 +105,13 @@ export async function train(cfg, { ort, bundle, data, store, log = console.log, 
   }
   await store.openMetrics(step);
 
+  // -- gate (android_runner/loop.py: read before every step; pause/cool: checkpoint once, wait, ask again) ---
+  const safeProbe = new SafeProbe(probe ?? await makeProbe(cfg.battery, { log, ...probeOptions }), { warn: log });
+  log(`battery probe: ${safeProbe.inner.chosen_because ?? safeProbe.inner.name}`);
+  const tracker = new GateTracker(new GateConfig(cfg.gate));
+  const energy = new EnergyMeter({ cpuSeconds });
+  const wait = sleep ?? ((seconds) => interruptibleSleep(seconds, shouldStop));
+
   const save = async (reason) => {
     await store.save(step, engine.saveState({ step }), {
       step, total_steps: total, data: data.state(), seed: cfg.seed, reason, runner: 'web',
@@ -86,9 +119,22 @@ export async function train(cfg, { ort, bundle, data, store, log = console.log, 
   };
 
   const t0 = Date.now();
-  let savedAt = step, tokensTotal = 0, stoppedBy = null;
+  let savedAt = step, tokensTotal = 0, stoppedBy = null, lastStepS = 0.0;
   while (step < total) {
     if (shouldStop()) { stoppedBy = stopReason(); break; }
+    const reading = await safeProbe.read();
+    energy.add(reading, Date.now() / 1000);
+    const decision = tracker.update(reading, lastStepS);
+    if (decision.changed) log(`gate: ${decision.state} (${decision.reason})`);
+    if (!decision.run_step) {                 // paused or cooling: keep the work safe, then wait
+      if (savedAt !== step) {
+        await save(`gate ${decision.state}`);
+        savedAt = step;
+      }
+      await wait(decision.sleep_s);
+      continue;
+    }
+
     const position = data.state();
     const micro = Array.from({ length: cfg.accum }, () => data.nextMicroBatch());
     const lr = lrAt(step, cfg.lr, cfg.warmup, total, cfg.schedule);
@@ -99,26 +145,32 @@ export async function train(cfg, { ort, bundle, data, store, log = console.log, 
       break;
     }
     step += 1;
+    lastStepS = result.seconds;
     tokensTotal += result.tokens;
     await store.writeMetrics({
       step, loss: result.loss, lr, grad_norm: result.grad_norm, tokens: result.tokens,
-      label_tokens: result.label_tokens, step_s: Math.round(result.seconds * 1e4) / 1e4,
-      tokens_per_s: Math.round((result.tokens / result.seconds) * 10) / 10, rss_mb: store.rssMb?.() ?? null,
+      label_tokens: result.label_tokens, step_s: round(result.seconds, 4),
+      tokens_per_s: round(result.tokens / result.seconds, 1), rss_mb: store.rssMb?.() ?? null,
+      battery_percent: reading.percent, charging: reading.charging, temp_c: reading.temp_c, gate: decision.state,
       time: Math.round(Date.now()) / 1000,
     });
     if (step % cfg.save_every === 0 || step === total) {
       await save(step < total ? 'periodic' : 'final');
       savedAt = step;
     }
+    if (decision.state === GateState.SLOW && decision.sleep_s > 0) await wait(decision.sleep_s);
   }
   if (savedAt !== step) await save(stoppedBy ? `signal ${stoppedBy}` : 'final');
   await store.closeMetrics();
   await engine.release();
+  tracker.finish();
   const wall = (Date.now() - t0) / 1000;
   const summary = {
     run: store.runDir, bundle: cfg.bundle, data: cfg.data, finished: step >= total, stopped_by: stoppedBy,
-    step, total_steps: total, wall_s: Math.round(wall * 100) / 100, tokens_this_session: tokensTotal,
-    tokens_per_s: wall > 0 ? Math.round((tokensTotal / wall) * 10) / 10 : null, runner: 'web',
+    step, total_steps: total, wall_s: round(wall, 2), tokens_this_session: tokensTotal,
+    tokens_per_s: wall > 0 ? round(tokensTotal / wall, 1) : null,
+    peak_rss_mb: store.peakRssMb?.() ?? null, torch_in_process: false, memory_fit: null,
+    gate: tracker.summary(), ...energy.summary(wall), data_report: data.report ?? null, runner: 'web',
   };
   await store.writeSummary(summary);
   log(`${summary.finished ? 'finished' : 'stopped'} at step ${step}/${total} in ${wall.toFixed(1)} s`);

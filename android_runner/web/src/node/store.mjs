@@ -147,6 +147,23 @@ export class NodeRunStore {
   rssMb() {
     return Math.round((process.memoryUsage().rss / 2 ** 20) * 10) / 10;
   }
+
+  /** This process's peak RSS (MiB): VmHWM as android_runner/metrics.peak_rss_mb, else getrusage's maxRSS. */
+  peakRssMb() {
+    let kb = null;
+    try {
+      const m = /^VmHWM:\s+(\d+)\s+kB/m.exec(fs.readFileSync('/proc/self/status', 'utf8'));
+      if (m) kb = Number(m[1]);
+    } catch { /* not Linux */ }
+    kb ??= process.resourceUsage().maxRSS;
+    return Math.round((kb / 1024) * 10) / 10;
+  }
+}
+
+/** The process's CPU seconds (user + system, all threads: WASM workers included), Python's time.process_time. */
+export function cpuSeconds() {
+  const u = process.cpuUsage();
+  return (u.user + u.system) / 1e6;
 }
 
 /** A bundle directory: {path, manifest, read(relPath)}. */
