@@ -1,5 +1,8 @@
 """Battery and thermal probes: one small class per way of asking a device about its battery.
 
+One concern over 400 lines: six probes (Android sysfs, dumpsys, Termux, Linux, replay, none), `auto` and the
+SafeProbe wrapper, each small, kept together so that `make_probe` is the one place a spec is read.
+
 Every probe has a ``name`` and a ``read()`` that returns a :class:`BatteryReading` (fields it
 cannot see are None) or raises :class:`ProbeError`. ``make_probe("auto")`` picks the first
 probe that works on this device; :class:`SafeProbe` makes sure a probe that breaks mid-run

@@ -1,5 +1,8 @@
 """Parity of the device trainer (ONNX Runtime) with an independent PyTorch + PEFT trainer.
 
+One concern, the parity job from start to report (its checks are in parity_checks.py); it is over 400 lines
+because both sides, their subprocess workers and the evaluation of their adapters are the job's own steps.
+
 `run_parity(cfg)`:
 
 1. ORT side: the device runner `android_runner.loop.train` trains the bundle into REPORT/ort_run.

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from ort_trainer.faults import write_atomic   # whole or not at all (also used by apps.py, run.py)
 
 STATE = "server_state.npz"
 ROUNDS = "rounds.jsonl"
@@ -24,24 +25,6 @@ class ServerState:
     lora: dict[str, np.ndarray]             # the global adapter, ONNX names
     records: list[dict] = field(default_factory=list)
     config_sha256: str = ""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def save(out: Path, st: ServerState) -> None:

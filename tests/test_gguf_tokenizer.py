@@ -29,9 +29,10 @@ def _sentencepiece_reference(vocab):
     m.normalizer_spec.add_dummy_prefix = vocab.add_space_prefix
     m.normalizer_spec.remove_extra_whitespaces = False
     m.normalizer_spec.escape_whitespaces = True
-    for piece, score, kind in zip(vocab.pieces, vocab.scores, vocab.types):
+    for i, (piece, score, kind) in enumerate(zip(vocab.pieces, vocab.scores, vocab.types)):
         p = m.pieces.add()
-        p.piece, p.score, p.type = piece, float(score), int(kind)
+        # the GGUF marks <unk> CONTROL; a SentencePiece model marks it UNKNOWN (sentencepiece < 0.2.3 requires it)
+        p.piece, p.score, p.type = piece, float(score), pb.ModelProto.SentencePiece.UNKNOWN if i == vocab.unk_id else int(kind)
     return spm.SentencePieceProcessor(model_proto=m.SerializeToString())
 
 

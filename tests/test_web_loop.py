@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 import subprocess
 import sys
 from dataclasses import asdict
@@ -22,29 +21,13 @@ import pytest
 
 from tests.bundle_helpers import build_tiny_bundle
 from tests.conftest import REPO, WEB
+from tests.test_web_parity import finish, instruction_records, metrics
 
 DRIVER = WEB / "test" / "loop_driver.mjs"
 DRAIN = REPO / "tests" / "data" / "battery_drain.csv"
 EVENING = REPO / "android_runner" / "traces" / "evening_charger.csv"
 SETTINGS = dict(micro_batch=1, accum=1, lr=5e-3, warmup=3, seed=3)
 SLOW_FACTOR, POLL_S = 0.9, 0.02      # short sleeps; the states do not depend on them
-
-
-def instruction_records(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    words = "the a model phone battery token learns small weights data step loss rate of on with".split()
-    return [{"instruction": " ".join(rng.choices(words, k=rng.randint(3, 12))),
-             "output": " ".join(rng.choices(words, k=rng.randint(1, 30)))} for _ in range(n)]
-
-
-def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"node exited {proc.returncode}:\n{out}\n{err}"
-    return err
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
