@@ -110,7 +110,12 @@ def run_child(module_args: list[str], log_path: Path, timeout: float | None, cgr
 
     With `cgroup`, the child must wait for a line on stdin before it imports anything: it is moved into the
     cgroup, then released. `wrap` prefixes the command (systemd-run)."""
-    cmd = [*(wrap or []), sys.executable, "-m", *module_args]
+    return run_command([*(wrap or []), sys.executable, "-m", *module_args], log_path, timeout, cgroup, env)
+
+
+def run_command(cmd: list[str], log_path: Path, timeout: float | None, cgroup: Path | None = None,
+                env: dict | None = None) -> ChildResult:
+    """run_child for any command (e.g. node): the same sampling, timeout and cgroup handling."""
     t0 = time.time()
     out_chunks: list[str] = []
     with open(log_path, "w") as logf:

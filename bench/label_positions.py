@@ -49,8 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
     args = ap.parse_args(argv)
     if args.rerender:
-        raw_json = args.run or runs.latest(RUNS, WHAT)
-        runs.write(raw_json.parent, raw_json.stem, render_report(json.loads(raw_json.read_text()), raw_json.stem))
+        runs.rerender(WHAT, render_report, args.run)
         return 0
 
     from ort_trainer.bundle import open_bundle

@@ -53,6 +53,14 @@ def write(out_dir: Path, run: str, report: str, raw: dict | None = None) -> list
     return out
 
 
+def rerender(what: str, render, raw_json: Path | None = None) -> Path:
+    """Rewrite a run's report from its JSON (default: the newest `what` in RUNS); render(payload, stem) -> text."""
+    raw_json = raw_json or latest(RUNS, what)
+    if raw_json is None:
+        raise SystemExit(f"error: no {what} run in {RUNS}; run the bench first or pass --run JSON")
+    return write(raw_json.parent, raw_json.stem, render(json.loads(raw_json.read_text()), raw_json.stem))[0]
+
+
 def latest(out_dir: Path, what: str) -> Path | None:
     """The newest <stem>.json of `what` in out_dir (stems sort by date), or None."""
     found = sorted(p for p in out_dir.glob(f"*-{what}.json") if (m := STEM.match(p.stem)) and m.group(4) == what)

@@ -111,8 +111,9 @@ const USAGE = 'usage: cli.mjs train --bundle B --data D --out R (--max-steps N |
   `[--battery ${NODE_PROBES}] [--slow-below F] [--slow-factor F] [--pause-below F] [--resume-above F] [--max-temp F]`;
 
 /**
- * The `train` command. hooks (tests only; the command line never sets them): probeOptions (e.g. a replay
- * clock), gate (GateConfig fields the CLI has no flag for, e.g. poll_s), wrapStore(store) -> store.
+ * The `train` command. hooks (tests and benches; the command line never sets them): probeOptions (e.g. a replay
+ * clock), gate (GateConfig fields the CLI has no flag for, e.g. poll_s), wrapStore(store) -> store,
+ * sessionOptions (extra InferenceSession options, e.g. bench/web_driver.mjs's prepacking variant).
  */
 export async function main(argv, hooks = {}) {
   const [verb, ...rest] = argv;
@@ -133,7 +134,7 @@ export async function main(argv, hooks = {}) {
   const store = new NodeRunStore(out);
   await train(cfg, {
     ort, bundle, data, store: hooks.wrapStore ? hooks.wrapStore(store) : store, probe, cpuSeconds, collectGarbage,
-    shouldStop: () => stopSignal !== null, stopReason: () => stopSignal, log,
+    shouldStop: () => stopSignal !== null, stopReason: () => stopSignal, log, sessionOptions: hooks.sessionOptions,
   });
   return 0;
 }
