@@ -19,7 +19,8 @@ def _gen(args) -> None:
         lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                           targets=args.targets, seed=args.seed),
         seq_len=args.seq_len, shard_mb=args.shard_mb, head_chunks=args.head_chunks,
-        head_min_rows=args.head_min_rows, head_vocab_cols=args.head_vocab_cols, force=args.force,
+        head_min_rows=args.head_min_rows, head_vocab_cols=args.head_vocab_cols, quant=args.quant,
+        quant_block=args.quant_block, force=args.force,
     )
     print(result.summary())
 
@@ -45,6 +46,9 @@ def _add_gen(sub) -> None:
     p.add_argument("--head-vocab-cols", type=int, default=None,
                    help="(default 16384) within a row slice, the vocabulary is read in slices of at most this many "
                         "entries with an online softmax, so the head's largest tensor is [rows, this]")
+    p.add_argument("--quant", default="none", help="the frozen linear weights in the bundle: none (float32) | int8 (per "
+                   "column) | int4 (per block of --quant-block rows); dequantized just in time while training")
+    p.add_argument("--quant-block", type=int, default=32, help="int4's rows per scale block (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")
     p.set_defaults(func=_gen)

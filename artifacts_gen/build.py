@@ -24,7 +24,7 @@ from ort_trainer.faults import environment_fault, native_writes
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 from ort_trainer.versions import tool_versions
 
-from . import graph_fixes, head_loss, recompute, slow_kernels
+from . import graph_fixes, head_loss, quantize, recompute, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
@@ -136,6 +136,8 @@ def build_bundle(
     head_chunks: int | None = None,
     head_min_rows: int | None = None,
     head_vocab_cols: int | None = None,
+    quant: str = "none",
+    quant_block: int = quantize.INT4_BLOCK,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -161,6 +163,8 @@ def build_bundle(
     if head_vocab_cols < head_loss.VOCAB_ALIGN:
         raise ValueError(f"--head-vocab-cols {head_vocab_cols}: use {head_loss.VOCAB_ALIGN} or more (default "
                          f"{head_loss.VOCAB_COLS}; fewer = less memory, smaller GEMMs).")
+
+    quantize.check_mode(quant, quant_block)
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
@@ -202,6 +206,13 @@ def build_bundle(
             f"redundant causal Where removed: {n_where}"
             + (f", equal-valued weights kept distinct: {n_split}" if n_split else ""))
 
+        forward, quantized = quantize.quantize_forward(forward, quant, quant_block, {t.onnx_name for t in train},
+                                                       graph_fixes.TRANSPOSED)
+        if quantized:
+            log(f"      {len(quantized)} frozen linear weights stored as {quant}"
+                + (f" (blocks of {quant_block})" if quant == "int4" else " (per column)")
+                + ", dequantized just in time")
+
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)
         graph_fixes.check_untied_head(forward)
@@ -214,7 +225,7 @@ def build_bundle(
         log(f"      training graph: LM head + loss in up to {head_chunks} slices of >= {head_min_rows} labelled rows, "
             f"vocabulary in slices of <= {head_vocab_cols}")
         _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows, head_vocab_cols,
-                            float(softcap) if softcap else None)
+                            float(softcap) if softcap else None, [q.onnx_name for q in quantized])
         _check_artifacts(stage, plan.files)
         write_web_files(stage, [t.onnx_name for t in train])     # the web runner's gradient graph + initial LoRA
 
@@ -237,7 +248,7 @@ def build_bundle(
             seq_len=seq_len,
             traced_seq_len=traced_len,
             padding_free=True,              # export.CausalLMWithLoss + packing.py
-            opset=fam.opset,
+            opset=next(o.version for o in forward.opset_import if o.domain in ("", "ai.onnx")),
             lora=mf.LoraSpec(
                 r=lora.r,
                 alpha=float(lora.alpha),
@@ -257,6 +268,7 @@ def build_bundle(
             train_outputs=["loss"],
             eval_outputs=["loss", "logits"],
             loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows, head_vocab_cols=head_vocab_cols),
+            quant=mf.QuantSpec(mode=quant, block=quant_block if quant == "int4" else 0, weights=quantized),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
             tools=tool_versions(),
@@ -300,7 +312,7 @@ def _alive(pid: int) -> bool:
 
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
-                        head_min_rows: int, head_vocab_cols: int, softcap: float | None) -> None:
+                        head_min_rows: int, head_vocab_cols: int, softcap: float | None, dequantized: list[str]) -> None:
     """ORT builds the training and optimizer models from the forward with its head in row and vocabulary
     slices (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
     forward, which also outputs the logits at the labelled positions.
@@ -335,6 +347,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     training = onnx.load(str(train_path), load_external_data=False)
     changed = any(slow_kernels.replace_slow_kernels(training).values())
     changed |= recompute.recompute_activations(training) > 0      # after them: it reads their backward nodes
+    changed |= quantize.recompute_dequantized(training, dequantized) > 0
     if changed:
         onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())

@@ -59,6 +59,23 @@ def backward_nodes(g: onnx.GraphProto, read_by: dict[str, list[int]] | None = No
     return bwd
 
 
+def gate_nodes(x: str, d: str, p: str, zero: str) -> list[onnx.NodeProto]:
+    """Nodes computing `p + "x"`: x itself (a Reshape to its own shape, an alias), made to depend on tensor d:
+
+        s = Shape(x) + zero * ReduceSum(Shape(d))       (zero: an int64 scalar initializer holding 0)
+
+    so ORT cannot run what reads it before d exists, and no constant folding can drop the dependency when d has
+    a dynamic dimension (batch, length or token count)."""
+    return [
+        helper.make_node("Shape", [x], [p + "x_shape"], name=p + "x_shape"),
+        helper.make_node("Shape", [d], [p + "gate_shape"], name=p + "gate_shape"),
+        helper.make_node("ReduceSum", [p + "gate_shape"], [p + "gate_sum"], name=p + "gate_sum", keepdims=0),
+        helper.make_node("Mul", [p + "gate_sum", zero], [p + "gate_zero"], name=p + "gate_zero"),
+        helper.make_node("Add", [p + "x_shape", p + "gate_zero"], [p + "shape"], name=p + "shape"),
+        helper.make_node("Reshape", [x, p + "shape"], [p + "x"], name=p + "x"),
+    ]
+
+
 def recompute_activations(model: onnx.ModelProto) -> int:
     """In place; returns how many activations the backward pass no longer reads from the forward pass (those
     read only by Shape nodes need no recomputation: they read x's shape instead)."""
@@ -86,15 +103,8 @@ def recompute_activations(model: onnx.ModelProto) -> int:
             g.node[j].input[0] = x
         for j, d in gates.items():
             p = f"{PREFIX}{count}/{j}/"
-            nodes = [
-                helper.make_node("Shape", [x], [p + "x_shape"], name=p + "x_shape"),
-                helper.make_node("Shape", [d], [p + "gate_shape"], name=p + "gate_shape"),
-                helper.make_node("ReduceSum", [p + "gate_shape"], [p + "gate_sum"], name=p + "gate_sum", keepdims=0),
-                helper.make_node("Mul", [p + "gate_sum", PREFIX + "zero"], [p + "gate_zero"], name=p + "gate_zero"),
-                helper.make_node("Add", [p + "x_shape", p + "gate_zero"], [p + "shape"], name=p + "shape"),
-                helper.make_node("Reshape", [x, p + "shape"], [p + "x"], name=p + "x"),
-                helper.make_node(act.op_type, [p + "x"], [p + "a"], name=p + "a", domain=act.domain),
-            ]
+            nodes = gate_nodes(x, d, p, PREFIX + "zero")
+            nodes.append(helper.make_node(act.op_type, [p + "x"], [p + "a"], name=p + "a", domain=act.domain))
             nodes[-1].attribute.extend(act.attribute)
             inserts[j] += nodes
             reader = g.node[j]

@@ -138,7 +138,7 @@ def torch_side(cfg: ParityConfig, log=print) -> dict:
     bundle = open_bundle(cfg.bundle, verify="sizes")
     man = bundle.manifest
     steps = parity_steps(bundle, cfg.data, cfg.steps, cfg)
-    model = torch_lora_model(man, to_peft(man, initial_lora(bundle)))
+    model = torch_lora_model(bundle, to_peft(man, initial_lora(bundle)))
     setup_s = time.perf_counter() - t0
     opt = man.optimizer
     tc = TrainConfig(**asdict(cfg.train_settings()), betas=(float(opt["beta1"]), float(opt["beta2"])),
@@ -285,7 +285,7 @@ def _scorers(bundle: Bundle, weights: dict[str, dict], log):
         yield label, "ort", ort_scorer
         log(f"      {label}: PyTorch")
         if torch_model is None:
-            torch_model = torch_lora_model(man, to_peft(man, lora))
+            torch_model = torch_lora_model(bundle, to_peft(man, lora))
         else:
             set_lora_state(torch_model, to_peft(man, lora))
         yield label, "torch", TorchScorer(torch_model)

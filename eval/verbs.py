@@ -43,7 +43,7 @@ def make_scorer(bundle: Bundle, lora: dict[str, np.ndarray], backend: str, threa
 
         if threads:
             torch.set_num_threads(threads)
-        return TorchScorer(torch_lora_model(bundle.manifest, to_peft(bundle.manifest, lora)))
+        return TorchScorer(torch_lora_model(bundle, to_peft(bundle.manifest, lora)))
     raise ValueError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -99,6 +99,28 @@ class LossSpec:
 
 
 @dataclass
+class QuantizedWeight:
+    onnx_name: str           # the float32 tensor the graphs compute (DequantizeLinear's output), named as before
+    source_key: str          # the source model's parameter (HF key)
+    transposed: bool         # onnx tensor == source parameter transposed (nn.Linear's W.T)
+    shape: list[int]         # of the onnx tensor
+    codes: str               # initializer of the integer codes (in the shards)
+    scale: str               # initializer of the scales
+    dtype: str               # "int8" | "int4"
+    axis: int                # the axis a scale runs along: 1 per column, 0 per block of rows
+    block: int               # rows per scale block (0: one scale per column)
+
+
+@dataclass
+class QuantSpec:
+    mode: str = "none"       # none | int8 | int4 (artifacts_gen/quantize.py)
+    block: int = 0           # int4's rows per scale block
+    weights: list[QuantizedWeight] = field(default_factory=list)
+    note: str = ("weight = codes * scale (int8: one scale per column; int4: per block of `block` rows of a column), "
+                 "dequantized in the graphs just before each use; LoRA, norms, biases, embedding and LM head are float32")
+
+
+@dataclass
 class FileEntry:
     path: str                # relative to the bundle directory
     bytes: int
@@ -128,6 +150,7 @@ class Manifest:
     # tokens, not batch x seq. A label whose predicting position is padding counts for nothing (right padding
     # never has one). False in bundles built before 2026-12-01, which compute every padded position.
     padding_free: bool = False
+    quant: QuantSpec = field(default_factory=QuantSpec)    # the frozen base's quantization (none before 2026-12-04)
     schema_version: int = SCHEMA_VERSION
     created_by: str = "pocketlora artifacts_gen"
 
@@ -159,6 +182,11 @@ class Manifest:
             kw["trainable"] = [Trainable(**_take(Trainable, t, f"{origin}: trainable")) for t in data["trainable"]]
             kw["inputs"] = [TensorSpec(**_take(TensorSpec, t, f"{origin}: inputs")) for t in data["inputs"]]
             kw["files"] = [FileEntry(**_take(FileEntry, f, f"{origin}: files")) for f in data["files"]]
+            if "quant" in data:
+                q = _take(QuantSpec, data["quant"], f"{origin}: quant")
+                q["weights"] = [QuantizedWeight(**_take(QuantizedWeight, w, f"{origin}: quant.weights"))
+                                for w in q.get("weights", [])]
+                kw["quant"] = QuantSpec(**q)
         except (TypeError, KeyError) as exc:
             raise ManifestError(f"{origin}: malformed manifest ({exc}); rebuild the bundle") from exc
         for f in kw["files"]:

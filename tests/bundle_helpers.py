@@ -11,7 +11,7 @@ from ort_trainer.manifest import Manifest
 SEQ_LEN = 64          # bundles are built for 64; tests also run other lengths than the trace's
 
 
-def build_tiny_bundle(family: str, root: Path, targets: str = "attn", r: int = 4) -> tuple[Path, Path]:
+def build_tiny_bundle(family: str, root: Path, targets: str = "attn", r: int = 4, **build_kw) -> tuple[Path, Path]:
     from artifacts_gen.build import build_bundle
     from artifacts_gen.export import LoraSettings
     from tests.tiny_models import make_tiny_checkpoint
@@ -19,7 +19,7 @@ def build_tiny_bundle(family: str, root: Path, targets: str = "attn", r: int = 4
     ckpt = make_tiny_checkpoint(family, root / f"{family}-ckpt")
     bundle = root / f"{family}-bundle"
     build_bundle(ckpt, bundle, lora=LoraSettings(r=r, alpha=2.0 * r, targets=targets), seq_len=SEQ_LEN,
-                 shard_mb=64, log=lambda *_: None)
+                 shard_mb=64, log=lambda *_: None, **build_kw)
     return ckpt, bundle
 
 

@@ -29,10 +29,14 @@ def built(request, tmp_path_factory):
 @pytest.mark.parametrize("seq", [20, 48])   # neither is the traced length (32)
 def test_eval_logits_and_loss_match_peft(built, seq):
     family, ckpt, bundle = built
+    assert bundle.manifest.traced_seq_len not in (20, 48)
+    assert_eval_matches_peft(bundle, peft_reference(ckpt, bundle.manifest), seq)
+
+
+def assert_eval_matches_peft(bundle, ref, seq: int) -> None:
+    """The eval graph's logits at labelled positions and loss equal PEFT's with the same random LoRA."""
     man = bundle.manifest
-    assert man.traced_seq_len not in (20, 48)
     lora = random_lora(man, seed=1)
-    ref = peft_reference(ckpt, man)
     load_lora_into(ref, lora)
     batch = sample_batch(man.model.vocab_size, 3, seq)
     n = int((batch["labels"][:, 1:] != -100).sum())
@@ -129,6 +133,12 @@ def test_lora_grads_match_autograd(built):
 
 def test_ten_adamw_steps_match_torch(built):
     family, ckpt, bundle = built
+    assert_ten_adamw_steps_match_torch(bundle, peft_reference(ckpt, bundle.manifest))
+
+
+def ten_adamw_steps(bundle, ref) -> tuple[dict, dict, dict]:
+    """10 ORT optimizer steps (AdamW, clipping) from a random LoRA, and torch.optim.AdamW's on PEFT model `ref`
+    (float32 or float64) from the same LoRA on the same batches. -> (ORT's LoRA, PyTorch's, the start; PEFT keys)."""
     man = bundle.manifest
     spec = man.optimizer
     lora = random_lora(man, seed=4)
@@ -142,7 +152,6 @@ def test_ten_adamw_steps_match_torch(built):
         sess.step(lr)
     ort_final = to_peft_layout(man, sess.lora())
 
-    ref = peft_reference(ckpt, man)
     load_lora_into(ref, lora)
     params = peft_lora_params(ref)
     opt = torch.optim.AdamW(params.values(), lr=lr, betas=(spec["beta1"], spec["beta2"]), eps=spec["eps"],
@@ -152,10 +161,16 @@ def test_ten_adamw_steps_match_torch(built):
         ref(**torch_batch(b)).loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), spec["clip"])
         opt.step()
-    moved = max(np.abs(p.detach().numpy() - lora[k]).max() for k, p in params.items())
-    assert moved > 1e-3   # the comparison below is not vacuous
-    for key, p in params.items():
-        assert np.abs(ort_final[key] - p.detach().numpy()).max() <= 1e-5, key
+    torch_final = {k: p.detach().numpy().copy() for k, p in params.items()}
+    moved = max(np.abs(torch_final[k] - lora[k]).max() for k in lora)
+    assert moved > 1e-3   # a comparison of the ends is not vacuous
+    return ort_final, torch_final, lora
+
+
+def assert_ten_adamw_steps_match_torch(bundle, ref) -> None:
+    ort_final, torch_final, _ = ten_adamw_steps(bundle, ref)
+    for key, want in torch_final.items():
+        assert np.abs(ort_final[key] - want).max() <= 1e-5, key
 
 
 def test_checkpoint_is_peft_init_and_lora_only(built):

@@ -1,0 +1,190 @@
+"""A quantized frozen base (issue 29, artifacts_gen/quantize.py): bundles built with --quant int8|int4 against
+PyTorch/PEFT running on the same dequantized weights, which the test computes itself from the codes and scales in
+the bundle (numpy, onnx's own INT4 unpacking); the dequantization runs just in time."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from artifacts_gen import quantize
+from ort_trainer import manifest as mf
+from ort_trainer.bundle import open_bundle
+from tests.bundle_helpers import build_tiny_bundle, peft_reference
+from tests.test_artifacts_gen import (
+    assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps,
+)
+from tests.tiny_models import FAMILIES
+
+MODES = ("int8", "int4")
+
+
+@pytest.fixture(scope="module", params=[(f, m) for f in FAMILIES for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}")
+def built(request, tmp_path_factory):
+    family, mode = request.param
+    ckpt, path = build_tiny_bundle(family, tmp_path_factory.mktemp(f"{family}-{mode}"), quant=mode, quant_block=16)
+    return family, mode, ckpt, open_bundle(path)
+
+
+def _initializers(bundle) -> dict[str, onnx.TensorProto]:
+    model = onnx.load(str(bundle.file(mf.EVAL_MODEL)))            # external data loaded by onnx itself
+    return {i.name: i for i in model.graph.initializer}
+
+
+def dequantized_here(bundle) -> dict[str, np.ndarray]:
+    """source key -> codes x scales, in the source model's layout, computed here with onnx's own readers."""
+    inits = _initializers(bundle)
+    out = {}
+    for q in bundle.manifest.quant.weights:
+        codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
+        scale = numpy_helper.to_array(inits[q.scale])
+        if q.block:
+            scale = np.repeat(scale, q.block, axis=0)[: codes.shape[0]]
+        w = codes * scale
+        out[q.source_key] = w.T if q.transposed else w
+    return out
+
+
+def reference(ckpt, bundle):
+    """PEFT on the source model, its quantized weights replaced by the bundle's dequantized values."""
+    ref = peft_reference(ckpt, bundle.manifest)
+    params = {n.replace(".base_layer", ""): p for n, p in ref.base_model.model.named_parameters()}
+    with torch.no_grad():
+        for key, w in dequantized_here(bundle).items():
+            params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    return ref
+
+
+def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
+    family, mode, ckpt, bundle = built
+    q = bundle.manifest.quant
+    assert q.mode == mode and q.weights
+    source = {n: p.detach().numpy() for n, p in peft_reference(ckpt, bundle.manifest).base_model.model.named_parameters()}
+    source = {n.replace(".base_layer", ""): v for n, v in source.items()}
+    layers = bundle.manifest.model.num_layers
+    assert len(q.weights) >= 4 * layers                       # attention in/out and the MLP's, every layer
+    inits = _initializers(bundle)
+    for w in q.weights:
+        assert w.onnx_name not in inits                       # no float32 copy of it is stored
+        assert inits[w.codes].data_type == (onnx.TensorProto.INT4 if mode == "int4" else onnx.TensorProto.INT8)
+    deq = dequantized_here(bundle)
+    for w in q.weights:
+        x, y = source[w.source_key], deq[w.source_key]
+        x_onnx = x.T if w.transposed else x                   # [in, out]: int8 per column, int4 per block of rows
+        if mode == "int8":
+            step = np.abs(x_onnx).max(axis=0, keepdims=True) / 127
+        else:
+            k = x_onnx.shape[0]
+            blocks = np.abs(np.pad(x_onnx, ((0, (-k) % 16), (0, 0)))).reshape(-1, 16, x_onnx.shape[1]).max(axis=1)
+            step = np.repeat(blocks / 7, 16, axis=0)[:k]
+        err = np.abs((y.T if w.transposed else y) - x_onnx)
+        assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all(), w.source_key       # round to nearest
+        assert err.max() > 0                                  # really quantized
+    # the product's own reader (eval's PyTorch side) gives the same values
+    ours = quantize.dequantized_weights(bundle.path, q)
+    assert set(ours) == set(deq) and all(np.array_equal(ours[k], deq[k]) for k in deq)
+
+
+@pytest.mark.parametrize("seq", [20, 48])       # not the traced length
+def test_eval_logits_and_loss_match_peft_on_the_dequantized_weights(built, seq):
+    family, mode, ckpt, bundle = built
+    assert_eval_matches_peft(bundle, reference(ckpt, bundle), seq)
+
+
+def test_lora_grads_match_autograd_on_the_dequantized_weights(built):
+    family, mode, ckpt, bundle = built
+    assert_lora_grads_match_autograd(ckpt, bundle, reference(ckpt, bundle))
+
+
+def test_ten_adamw_steps_match_torch_on_the_dequantized_weights(built):
+    """Against float64 PyTorch (the exact answer), within 1e-5 or twice float32 PyTorch's own distance from it.
+    AdamW divides by sqrt(v), so an element whose gradient is tiny takes a full-size step in a direction set by
+    rounding: with int4 weights, float32 PyTorch itself ends up to 8.7e-6 (GPT-2) and 5.7e-6 (Gemma3) from float64,
+    and ORT and float32 PyTorch up to 1.2e-5 apart (measured 2026-12-05); ORT's own distance stays like PyTorch's."""
+    family, mode, ckpt, bundle = built
+    ort_final, torch32, start = ten_adamw_steps(bundle, reference(ckpt, bundle))
+    _, torch64, _ = ten_adamw_steps(bundle, reference(ckpt, bundle).double())
+    for key, exact in torch64.items():
+        floor = np.abs(torch32[key] - exact).max()
+        assert np.abs(ort_final[key] - exact).max() <= max(1e-5, 2 * floor), (key, floor)
+
+
+def _ancestors(g: onnx.GraphProto, name: str) -> set[str]:
+    """Every tensor `name` is computed from (itself included)."""
+    producer = {o: n for n in g.node for o in n.output}
+    seen, stack = set(), [name]
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in producer:
+            stack.extend(x for x in producer[t].input if x)
+    return seen
+
+
+def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
+    """Each DequantizeLinear waits for the activation of the matmul that reads it (so ORT cannot run them all, and
+    hold all the float32 copies, at the start of the step, nor fold them into float32 constants), and the backward
+    pass dequantizes again instead of keeping the forward's copy alive."""
+    from artifacts_gen.recompute import backward_nodes, readers
+
+    read_by = readers(g)
+    bwd = backward_nodes(g, read_by)
+    dqs = [(i, n) for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear"]
+    assert dqs
+    for i, n in dqs:
+        readers_of = [g.node[j] for j in read_by[n.output[0]]]
+        assert readers_of
+        before = _ancestors(g, n.output[0])
+        for r in readers_of:
+            if r.op_type in ("MatMul", "Gemm") and r.input[1] == n.output[0]:
+                assert r.input[0] in before, (n.name, r.name)         # runs after the reader's activation exists
+        sides = {j in bwd for j in read_by[n.output[0]]}
+        assert len(sides) == 1, n.name                                 # not kept from the forward to the backward
+
+
+def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
+    family, mode, ckpt, bundle = built
+    g = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph
+    assert_dequantization_is_just_in_time(g)
+    assert_dequantization_is_just_in_time(onnx.load(str(bundle.file(mf.EVAL_MODEL)), load_external_data=False).graph)
+    weights = {w.onnx_name for w in bundle.manifest.quant.weights}
+    from artifacts_gen.recompute import backward_nodes
+    bwd = backward_nodes(g)
+    fwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i not in bwd]
+    bwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i in bwd]
+    assert {n.output[0] for n in fwd_dq} == weights
+    # dX = dY W^T needs a weight again wherever a gradient flows below it (not under the first layer's inputs)
+    assert len(weights) // 2 <= len(bwd_dq) < len(weights)
+
+
+def test_a_manifest_without_quant_loads_as_unquantized(built, tmp_path):
+    """Bundles built before the quantized base have no `quant` in their manifest."""
+    import json
+
+    data = json.loads((bundle_path := built[3].path / mf.MANIFEST_NAME).read_text())
+    assert data["quant"]["mode"] == built[1]
+    del data["quant"]
+    old = mf.Manifest.from_dict(data, origin=str(bundle_path))
+    assert old.quant.mode == "none" and old.quant.weights == []
+    assert quantize.dequantized_weights(tmp_path, old.quant) == {}
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--quant", "int3"], "--quant int3: use one of none, int8, int4"),
+    (["--quant", "int4", "--quant-block", "7"], "--quant-block 7: use an even number"),
+])
+def test_bad_quant_options_fail_in_one_line_before_anything_is_written(tmp_path, args, expect):
+    out = tmp_path / "bundle"
+    r = subprocess.run([sys.executable, "-m", "pocketlora_cli", "gen", "--model", str(tmp_path / "none"),
+                        "--out", str(out), *args], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()
