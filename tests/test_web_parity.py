@@ -96,22 +96,28 @@ def tiny(tmp_path_factory):
     return root, data
 
 
-def web_bundle(root: Path, family: str) -> Path:
+def web_bundle(root: Path, family: str, quant: str = "none") -> Path:
+    if quant != "none":
+        root = root / quant
+        root.mkdir(exist_ok=True)
     bundle = root / f"{family}-bundle"
     if not bundle.exists():
-        build_tiny_bundle(family, root)      # `gen` writes the web runner's files into every bundle
+        build_tiny_bundle(family, root, quant=quant)      # `gen` writes the web runner's files into every bundle
     return bundle
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2", "gemma3"])
-def test_web_matches_python_runner(family, tiny, node_web):
+@pytest.mark.parametrize("family, quant", [("gpt2", "none"), ("qwen2", "none"), ("gemma3", "none"),
+                                           ("gpt2", "int4"), ("qwen2", "int8"), ("gemma3", "int4")])
+def test_web_matches_python_runner(family, quant, tiny, node_web):
+    """Also on quantized bundles (issue 29): the WASM build runs the gated DequantizeLinear nodes too."""
     from android_runner.loop import RunConfig, train
     from ort_trainer import checkpoint
     from ort_trainer.adapter import load_lora
     from ort_trainer.manifest import Manifest
 
     root, data = tiny
-    bundle = web_bundle(root, family)
+    bundle = web_bundle(root, family, quant)
+    family = f"{family}-{quant}"
     py_run, web_run = root / f"{family}-py", root / f"{family}-web"
     train(RunConfig(bundle=str(bundle), data=str(data), max_steps=STEPS, battery="none", threads=1, save_every=50,
                     **SETTINGS), py_run, log=lambda *_: None, progress=False)
