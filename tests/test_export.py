@@ -13,11 +13,14 @@ from tests.bundle_helpers import build_tiny_bundle, random_lora, sample_batch, t
 from tests.tiny_models import FAMILIES
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[(f, "none") for f in FAMILIES] + [("gpt2", "int8"), ("gemma3", "int4")],
+                ids=lambda p: "-".join(p))
 def trained(request, tmp_path_factory):
-    """A bundle plus 'trained' LoRA values (random, non-zero B) in ONNX layout."""
-    root = tmp_path_factory.mktemp(request.param)
-    ckpt, path = build_tiny_bundle(request.param, root)
+    """A bundle (float32, or with a quantized base: issue 29) plus 'trained' LoRA values (random, non-zero B) in
+    ONNX layout."""
+    family, quant = request.param
+    root = tmp_path_factory.mktemp(f"{family}-{quant}")
+    ckpt, path = build_tiny_bundle(family, root, quant=quant)
     bundle = open_bundle(path)
     lora = to_onnx_layout(bundle.manifest, random_lora(bundle.manifest, seed=5))
     batch = sample_batch(bundle.manifest.model.vocab_size, 2, 30, seed=6)
@@ -32,6 +35,13 @@ def test_peft_directory_loads_and_reproduces_ort_logits(trained):
     ckpt, bundle, lora, batch, ort_logits, root = trained
     out = export_peft(bundle.manifest, lora, root / "peft")
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    if bundle.manifest.quant.weights:        # the same LoRA tensors, on the base the bundle computes with
+        from tests.test_quantize import dequantized_here
+
+        params = dict(base.named_parameters())
+        with torch.no_grad():
+            for key, w in dequantized_here(bundle).items():
+                params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
     model = PeftModel.from_pretrained(base, out).eval()
     with torch.no_grad():
         logits = model(**{k: v for k, v in torch_batch(batch).items() if k != "labels"}).logits
@@ -48,3 +58,12 @@ def test_standalone_onnx_runs_on_plain_inference_session(trained):
     assert np.abs(logits - ort_logits).max() <= 1e-4
     # self-contained: it does not read the bundle's shards
     assert not any(p.name.startswith("weights-") for p in path.parent.iterdir())
+    # a quantized base stays quantized: the codes and the just-in-time DequantizeLinear nodes, no float32 copy
+    q = bundle.manifest.quant
+    if q.weights:
+        import onnx
+
+        g = onnx.load(str(path), load_external_data=False).graph
+        inits = {i.name: i.data_type for i in g.initializer}
+        assert all(w.codes in inits and w.onnx_name not in inits for w in q.weights)
+        assert sum(n.op_type == "DequantizeLinear" for n in g.node) == len(q.weights)
