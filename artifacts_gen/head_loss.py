@@ -35,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .export import ExportError
+from .quantize import ZERO, gate_nodes, gather_dequantized
 
 STOP_SCALE = 2.0 ** 40
 DEFAULT_CHUNKS = 8      # at most this many row slices ...
@@ -84,7 +85,10 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         raise ExportError("chunked head: the LM head Gemm has a bias, transA or alpha; not supported")
     h, w = head.input[0], head.input[1]
     w_is_vh = head.op_type == "Gemm" and attrs.get("transB", 0) == 1     # W [V, H] (tied embedding) or [H, V]
-    if w not in {i.name for i in g.initializer}:
+    quant = _dequantized_rows(g, w) if w_is_vh else None
+    if quant:                      # a quantized base (quantize.quantize_vocab): read the codes and scales instead
+        w = quant[0]
+    elif w not in {i.name for i in g.initializer}:
         raise ExportError(f"chunked head: the LM head weight {w!r} is not an initializer")
     y = sce.input[1]
     scale = [i for i in mul.input if i != sce.output[0]][0]
@@ -109,7 +113,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     ])
     if softcap is not None:
         g.initializer.append(_const("cap", softcap, np.float32))
-    w_slices = _vocab_slices(g, w, w_is_vh, vocab_cols)
+    w_slices = _vocab_slices(g, w, w_is_vh, vocab_cols, quant[1] if quant else None)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     nodes = [
         # stop(h): exact copy of h that ORT's gradient builder does not differentiate through
@@ -160,8 +164,39 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     for i, node in enumerate(nodes):
         node.name = f"{p}{node.op_type}_{i}"      # named, so that a profile tells the head's kernels apart
     g.node.extend(nodes)
-    if len(w_slices) > 1:
+    if quant:
+        _drop_dead(g)              # the whole head's DequantizeLinear, read by nothing now
+    elif len(w_slices) > 1:
         _route_gathers(g, w, w_slices)
+
+
+def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str] | None:
+    """(codes, scales) initializers if `w` is a per-row DequantizeLinear of them (through the gate's aliases)."""
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {i.name for i in g.initializer}
+    dq = producer.get(w)
+    if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+        return None
+    scale = dq.input[1]
+    while scale not in inits and scale in producer:
+        scale = producer[scale].input[0]
+    return (dq.input[0], scale) if scale in inits else None
+
+
+def _drop_dead(g: onnx.GraphProto) -> None:
+    """Remove the nodes none of whose outputs is read or a graph output (repeatedly), and unread initializers."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {x for n in g.node for x in n.input} | outputs
+        keep = [n for n in g.node if any(o in read for o in n.output)]
+        if len(keep) == len(g.node):
+            break
+        del g.node[:]
+        g.node.extend(keep)
+    read = {x for n in g.node for x in n.input}
+    unread = [i for i in g.initializer if i.name not in read]
+    for i in unread:
+        g.initializer.remove(i)
 
 
 def vocab_slice_width(vocab: int, vocab_cols: int = VOCAB_COLS) -> int:
@@ -173,33 +208,45 @@ def vocab_slice_width(vocab: int, vocab_cols: int = VOCAB_COLS) -> int:
     return cols
 
 
-def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int) -> list[tuple[str, int, int]]:
-    """The head weight in vocabulary slices of <= vocab_cols entries: [(name, first, end)].
+def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int, scale: str | None = None
+                  ) -> list[tuple[str, int, int, str | None]]:
+    """The head weight in vocabulary slices of <= vocab_cols entries: [(name, first, end, scales or None)].
 
     A [V, H] weight in external data (the build always makes it so: graph_fixes.untie_head, shards) is
     sliced for free: each slice is another initializer pointing at its rows' bytes in the same shard file.
-    Any other weight is read whole: one slice, W itself."""
+    Any other weight is read whole: one slice, W itself. A quantized head (`scale`: w is then its int8 codes,
+    one scale per row) is sliced the same way, codes and scales alike."""
     init = next(i for i in g.initializer if i.name == w)
     vocab = init.dims[0] if w_is_vh else init.dims[1]
     cols = vocab_slice_width(vocab, vocab_cols)
     bounds = [(a, min(a + cols, vocab)) for a in range(0, vocab, cols)]
-    if len(bounds) == 1:
-        return [(w, 0, vocab)]
-    if not (w_is_vh and init.data_location == TensorProto.EXTERNAL and init.data_type == TensorProto.FLOAT):
-        return [(w, 0, vocab)]      # not sliceable in place: the whole vocabulary at once
-    ext = {e.key: e.value for e in init.external_data}
-    row_bytes, base = 4 * init.dims[1], int(ext.get("offset", 0))
+    sliceable = w_is_vh and init.data_location == TensorProto.EXTERNAL and init.data_type in (
+        TensorProto.FLOAT, TensorProto.INT8)
+    if len(bounds) == 1 or not sliceable:
+        return [(w, 0, vocab, scale)]      # not sliceable in place: the whole vocabulary at once
+    scales = next(i for i in g.initializer if i.name == scale) if scale else None
     slices = []
     for j, (a, b) in enumerate(bounds):
-        view = TensorProto(name=f"{PREFIX}w{j}", dims=[b - a, init.dims[1]], data_type=init.data_type,
-                           data_location=TensorProto.EXTERNAL)
-        for key, value in (("location", ext["location"]), ("offset", str(base + a * row_bytes)),
-                           ("length", str((b - a) * row_bytes))):
-            entry = view.external_data.add()
-            entry.key, entry.value = key, value
-        g.initializer.append(view)
-        slices.append((view.name, a, b))
+        view = _row_view(init, a, b, f"{PREFIX}w{j}")
+        s_view = _row_view(scales, a, b, f"{PREFIX}w{j}_scale") if scales is not None else None
+        g.initializer.extend([view] + ([s_view] if s_view is not None else []))
+        slices.append((view.name, a, b, s_view.name if s_view is not None else None))
     return slices
+
+
+def _row_view(init: TensorProto, a: int, b: int, name: str) -> TensorProto:
+    """Rows [a, b) of an initializer: a view of its bytes in the shard file when it is external data, else a copy."""
+    if init.data_location != TensorProto.EXTERNAL:
+        return numpy_helper.from_array(numpy_helper.to_array(init)[a:b], name)
+    ext = {e.key: e.value for e in init.external_data}
+    row_bytes = {TensorProto.FLOAT: 4, TensorProto.INT8: 1}[init.data_type] * int(np.prod(init.dims[1:], dtype=np.int64))
+    view = TensorProto(name=name, dims=[b - a, *init.dims[1:]], data_type=init.data_type,
+                       data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", ext["location"]), ("offset", str(int(ext.get("offset", 0)) + a * row_bytes)),
+                       ("length", str((b - a) * row_bytes))):
+        entry = view.external_data.add()
+        entry.key, entry.value = key, value
+    return view
 
 
 def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, int]], idx: str, out: str
@@ -209,7 +256,7 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
     instead of W keeps W's own mapping untouched, so its pages are not counted twice in RSS."""
     p, n = PREFIX, helper.make_node
     nodes, parts = [], []
-    for j, (name, a, b) in enumerate(slices):
+    for j, (name, a, b, scale) in enumerate(slices):
         q = f"{prefix}{j}/"
         g.initializer.extend([_const(q[len(p):] + "first", a, np.int64), _const(q[len(p):] + "size", b - a, np.int64)])
         nodes += [n("Sub", [idx, q + "first"], [q + "i"]),
@@ -217,12 +264,19 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
                   n("Less", [q + "i", q + "size"], [q + "below"]),
                   n("And", [q + "above", q + "below"], [q + "inside"]),
                   n("Where", [q + "inside", q + "i", p + "zero"], [q + "i_safe"]),
-                  n("Gather", [name, q + "i_safe"], [q + "rows"], axis=0),
+                  *_gather(name, scale, q + "i_safe", q + "rows", q + "dq/"),
                   n("Cast", [q + "inside"], [q + "inside_f"], to=TensorProto.FLOAT),
                   n("Unsqueeze", [q + "inside_f", p + "axis_last"], [q + "mask"]),
                   n("Mul", [q + "rows", q + "mask"], [q + "part"])]
         parts.append(q + "part")
     return nodes + [n("Sum", parts, [out])]
+
+
+def _gather(table: str, scale: str | None, idx: str, out: str, p: str) -> list[onnx.NodeProto]:
+    """out = table[idx] (rows), dequantized when the table is int8 codes with per-row `scale`s."""
+    if scale is None:
+        return [helper.make_node("Gather", [table, idx], [out], axis=0)]
+    return gather_dequantized(table, scale, idx, out, p, PREFIX + "axis_last")
 
 
 def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]]) -> None:
@@ -267,8 +321,10 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
     w_y = c + "w_y_raw"
     if len(w_slices) > 1:      # views of a [V, H] weight
         nodes += _gather_rows(g, c + "w_y/", w_slices, c + "y_safe", w_y)
+    elif w_is_vh:
+        nodes += _gather(w_slices[0][0], w_slices[0][3], c + "y_safe", w_y, c + "w_y/")
     else:
-        nodes.append(n("Gather", [w_slices[0][0], c + "y_safe"], [w_y], axis=0 if w_is_vh else 1))
+        nodes.append(n("Gather", [w_slices[0][0], c + "y_safe"], [w_y], axis=1))
     if not w_is_vh:
         nodes.append(n("Transpose", [w_y], [c + "w_y"], perm=[1, 0]))
         w_y = c + "w_y"
@@ -285,7 +341,7 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
     inv_cap = 1.0 / softcap if softcap is not None else 1.0
     fixed_bound = p + "cap" if softcap is not None and softcap <= FIXED_BOUND_MAX else None
     m = s = a = None
-    for k, (w_k, _, _) in enumerate(w_slices):
+    for k, (w_k, _, _, scale_k) in enumerate(w_slices):
         v = f"{c}v{k}/"
         h_k = c + "h"
         if a is not None:
@@ -298,6 +354,10 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
                       n("Min", [v + "after_a", v + "after_s"], [v + "after"]),
                       n("Slice", [c + "h", p + "zero1", v + "after", p + "axis0"], [v + "h"])]
             h_k = v + "h"
+        if scale_k is not None:    # this slice's rows dequantized just before their use, once h_k exists
+            nodes += gate_nodes(scale_k, h_k, v + "dq/", ZERO)
+            nodes.append(n("DequantizeLinear", [w_k, v + "dq/x"], [v + "w"], axis=0))
+            w_k = v + "w"
         nodes.append(n("Gemm", [h_k, w_k], [v + "u"], transB=1 if w_is_vh else 0, alpha=inv_cap))
         z = v + "u"
         if softcap is not None:

@@ -59,6 +59,10 @@ def quantize_array(w: np.ndarray, mode: str, block: int = INT4_BLOCK) -> tuple[n
         scale = np.abs(w).max(axis=0) / 127.0
         groups = scale[None, :]
         lo, hi = -127, 127
+    elif mode == "int8-rows":
+        scale = np.abs(w).max(axis=1) / 127.0
+        groups = scale[:, None]
+        lo, hi = -127, 127
     elif mode == "int4":
         k, n = w.shape
         pad = (-k) % block
@@ -74,11 +78,14 @@ def quantize_array(w: np.ndarray, mode: str, block: int = INT4_BLOCK) -> tuple[n
     return codes, np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
 
 
-def dequantize_array(codes: np.ndarray, scale: np.ndarray, block: int = 0) -> np.ndarray:
-    """The float32 weight a quantized weight stands for: codes * scale, per column (block 0) or per block of rows."""
+def dequantize_array(codes: np.ndarray, scale: np.ndarray, block: int = 0, axis: int = 1) -> np.ndarray:
+    """The float32 weight a quantized weight stands for: codes * scale, per column (axis 1), per row (axis 0), or
+    per block of `block` rows of a column."""
     scale = np.asarray(scale, dtype=np.float32)
     if block:
         scale = np.repeat(scale, block, axis=0)[: codes.shape[0]]
+    elif axis == 0:
+        scale = scale[:, None]
     return codes.astype(np.float32) * scale
 
 
@@ -203,7 +210,87 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
         del g.node[:]
         g.node.extend(out)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
-    return model, entries
+    return model, entries + quantize_vocab(model, keep)
+
+
+def _vocab_weights(g: onnx.GraphProto, keep: set[str]) -> list[str]:
+    """[V, H] float32 initializers read only as a Gather's table (axis 0: an embedding lookup) or as the B of a
+    Gemm with transB (the LM head, tied or not: graph_fixes.untie_head)."""
+    inits = {i.name: i for i in g.initializer}
+    read_by = readers(g)
+    out = []
+    for name, init in inits.items():
+        if (name in keep or init.data_type != TensorProto.FLOAT or len(init.dims) != 2 or not read_by.get(name)
+                or int(np.prod(init.dims)) < MIN_ELEMENTS):
+            continue
+        if all(_reads_as_table(g.node[j], name) or _reads_as_head(g.node[j], name) for j in read_by[name]):
+            out.append(name)
+    return out
+
+
+def _reads_as_table(n: onnx.NodeProto, name: str) -> bool:
+    return (n.op_type == "Gather" and n.input[0] == name and name not in n.input[1:]
+            and all(a.name != "axis" or a.i == 0 for a in n.attribute))
+
+
+def _reads_as_head(n: onnx.NodeProto, name: str) -> bool:
+    return (n.op_type == "Gemm" and len(n.input) >= 2 and n.input[1] == name and n.input[0] != name
+            and any(a.name == "transB" and a.i for a in n.attribute))
+
+
+def gather_dequantized(codes: str, scale: str, idx: str, out: str, p: str, axis_last: str) -> list[onnx.NodeProto]:
+    """out = rows idx of a per-row int8 table, dequantized: Gather the codes and the scales, multiply."""
+    n = helper.make_node
+    return [n("Gather", [codes, idx], [p + "q"], name=p + "q", axis=0),
+            n("Cast", [p + "q"], [p + "f"], name=p + "f", to=TensorProto.FLOAT),
+            n("Gather", [scale, idx], [p + "s"], name=p + "s", axis=0),
+            n("Unsqueeze", [p + "s", axis_last], [p + "s1"], name=p + "s1"),
+            n("Mul", [p + "f", p + "s1"], [out], name=p + "w")]
+
+
+AXIS_LAST = PREFIX + "axis_last"
+
+
+def quantize_vocab(model: onnx.ModelProto, keep: set[str]) -> list[mf.QuantizedWeight]:
+    """The token embedding and the LM head ([V, H], tied or not) as int8 codes with one scale per vocabulary row,
+    in place. A lookup gathers the codes and scales of its rows only; the head's readers get a gated per-row
+    DequantizeLinear (the training graph's chunked head replaces it by one per vocabulary slice: head_loss)."""
+    g = model.graph
+    names = _vocab_weights(g, keep)
+    if not names:
+        return []
+    inits = {i.name: i for i in g.initializer}
+    read_by = readers(g)
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    entries = []
+    for k, name in enumerate(names):
+        init = inits[name]
+        codes, scale = quantize_array(numpy_helper.to_array(init), "int8-rows")
+        g.initializer.remove(init)
+        g.initializer.extend([numpy_helper.from_array(codes, name + CODES), numpy_helper.from_array(scale, name + SCALE)])
+        for r, j in enumerate(read_by[name]):
+            node, p = g.node[j], f"{PREFIX}vocab{k}/{r}/"
+            if node.op_type == "Gather":
+                replace[j] = gather_dequantized(name + CODES, name + SCALE, node.input[1], node.output[0], p, AXIS_LAST)
+            else:
+                gated = gate_nodes(name + SCALE, node.input[0], p, ZERO)
+                gated.append(helper.make_node("DequantizeLinear", [name + CODES, p + "x"], [p + "w"], name=p + "dq",
+                                              axis=0))
+                node.input[1] = p + "w"
+                replace[j] = gated + [node]
+        entries.append(mf.QuantizedWeight(onnx_name=name, source_key=name, transposed=False,
+                                          shape=[int(d) for d in init.dims], codes=name + CODES, scale=name + SCALE,
+                                          dtype="int8", axis=0, block=0))
+    out = []
+    for j, n in enumerate(g.node):
+        out += replace.get(j, [n])
+    del g.node[:]
+    g.node.extend(out)
+    for extra in (numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO),
+                  numpy_helper.from_array(np.asarray([-1], dtype=np.int64), AXIS_LAST)):
+        if extra.name not in {i.name for i in g.initializer}:
+            g.initializer.append(extra)
+    return entries
 
 
 def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
@@ -268,6 +355,6 @@ def dequantized_weights(bundle_dir, quant: mf.QuantSpec) -> dict[str, np.ndarray
     out = {}
     for q in quant.weights:
         w = dequantize_array(read_tensor(inits[q.codes], str(bundle_dir)), read_tensor(inits[q.scale], str(bundle_dir)),
-                             q.block)
+                             q.block, q.axis)
         out[q.source_key] = np.ascontiguousarray(w.T) if q.transposed else w
     return out

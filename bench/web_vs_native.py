@@ -99,16 +99,17 @@ def _best(records: list[dict]) -> dict | None:
     return max(ok, key=lambda r: r["tok_s"]) if ok else None
 
 
-def variant_bundle(name: str, sub: Path, cols: int) -> Path:
-    """The shape's bundle rebuilt from its cached checkpoint with --head-vocab-cols `cols` (cached by its flags)."""
-    out = sub / f"{name}-bundle@cols{cols}"
+def variant_bundle(name: str, sub: Path, tag: str, flags: list[str]) -> Path:
+    """The shape's bundle rebuilt from its cached checkpoint with extra `gen` flags, as <name>-bundle@<tag>
+    (cached by its flags)."""
+    out = sub / f"{name}-bundle@{tag}"
     stamp = out.with_suffix(out.suffix + ".stamp")
     src = sub / f"{name}-bundle.stamp"
-    want = json.dumps({"base": src.read_text(), "head_vocab_cols": cols})
+    want = json.dumps({"base": src.read_text(), "flags": flags})
     if not (stamp.is_file() and stamp.read_text() == want and (out / "manifest.json").is_file()):
         args = ["pocketlora_cli", "gen", "--model", str(sub / f"{name}-ckpt"), "--out", str(out), "--force",
                 "--lora-r", str(LORA["r"]), "--lora-alpha", str(LORA["alpha"]), "--targets", LORA["targets"],
-                "--seq-len", str(SEQ_LEN), "--head-vocab-cols", str(cols)]
+                "--seq-len", str(SEQ_LEN), *flags]
         c = run_child(args, sub / f"{out.name}.gen.log", TIMEOUT_S)
         if c.code != 0:
             raise SystemExit(f"gen of {out.name} failed:\n{tail(c.log_path)}")
@@ -135,7 +136,7 @@ def explore(name: str, bundle: str, data: Path, sub: Path, steps: int, quick: bo
         out["web"].append(r)
     if name.startswith("gpt2") and not quick:
         for cols in HEAD_VARIANTS:
-            vb = variant_bundle(name, sub, cols)
+            vb = variant_bundle(name, sub, f"cols{cols}", ["--head-vocab-cols", str(cols)])
             r = run_one("web", str(vb), data, m, a, steps, runs_dir / f"{name}-web-{m}x{a}-cols{cols}")
             _say(r)
             out["web"].append(r)

@@ -136,12 +136,12 @@ def test_ten_adamw_steps_match_torch(built):
     assert_ten_adamw_steps_match_torch(bundle, peft_reference(ckpt, bundle.manifest))
 
 
-def ten_adamw_steps(bundle, ref) -> tuple[dict, dict, dict]:
+def ten_adamw_steps(bundle, ref, seed: int = 4) -> tuple[dict, dict, dict]:
     """10 ORT optimizer steps (AdamW, clipping) from a random LoRA, and torch.optim.AdamW's on PEFT model `ref`
     (float32 or float64) from the same LoRA on the same batches. -> (ORT's LoRA, PyTorch's, the start; PEFT keys)."""
     man = bundle.manifest
     spec = man.optimizer
-    lora = random_lora(man, seed=4)
+    lora = random_lora(man, seed=seed)
     batches = [sample_batch(man.model.vocab_size, 2, 24, seed=10 + i) for i in range(10)]
     lr = 1e-2
 

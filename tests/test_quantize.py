@@ -45,6 +45,8 @@ def dequantized_here(bundle) -> dict[str, np.ndarray]:
         scale = numpy_helper.to_array(inits[q.scale])
         if q.block:
             scale = np.repeat(scale, q.block, axis=0)[: codes.shape[0]]
+        elif q.axis == 0:
+            scale = scale[:, None]
         w = codes * scale
         out[q.source_key] = w.T if q.transposed else w
     return out
@@ -71,12 +73,16 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
     inits = _initializers(bundle)
     for w in q.weights:
         assert w.onnx_name not in inits                       # no float32 copy of it is stored
-        assert inits[w.codes].data_type == (onnx.TensorProto.INT4 if mode == "int4" else onnx.TensorProto.INT8)
+        vocab = w.axis == 0 and not w.block                   # embedding / LM head: int8 per row in both modes
+        assert w.dtype == ("int8" if vocab else mode)
+        assert inits[w.codes].data_type == (onnx.TensorProto.INT4 if w.dtype == "int4" else onnx.TensorProto.INT8)
     deq = dequantized_here(bundle)
     for w in q.weights:
         x, y = source[w.source_key], deq[w.source_key]
         x_onnx = x.T if w.transposed else x                   # [in, out]: int8 per column, int4 per block of rows
-        if mode == "int8":
+        if w.axis == 0 and not w.block:                       # embedding / LM head [V, H]: int8 per row
+            step = np.abs(x_onnx).max(axis=1, keepdims=True) / 127
+        elif mode == "int8":
             step = np.abs(x_onnx).max(axis=0, keepdims=True) / 127
         else:
             k = x_onnx.shape[0]
@@ -103,15 +109,32 @@ def test_lora_grads_match_autograd_on_the_dequantized_weights(built):
 
 def test_ten_adamw_steps_match_torch_on_the_dequantized_weights(built):
     """Against float64 PyTorch (the exact answer), within 1e-5 or twice float32 PyTorch's own distance from it.
-    AdamW divides by sqrt(v), so an element whose gradient is tiny takes a full-size step in a direction set by
-    rounding: with int4 weights, float32 PyTorch itself ends up to 8.7e-6 (GPT-2) and 5.7e-6 (Gemma3) from float64,
-    and ORT and float32 PyTorch up to 1.2e-5 apart (measured 2026-12-05); ORT's own distance stays like PyTorch's."""
+
+    The start must be well-posed. At the first step AdamW moves every element by about lr * sign(gradient), so an
+    element whose first gradient is below float32's rounding of it moves by +-lr on a coin toss in any float32
+    run, and the change then spreads to every tensor through the next steps (measured on Gemma3 int4 with LoRA
+    seed 4: one gradient 4.6e-8 in float64, -2.3e-8 in ORT, against 0.106 the tensor's largest; float32 PyTorch
+    ended 9.9e-5 from float64 and ORT 3.3e-3). So the LoRA start is the first seed from 4 whose float64 first
+    gradients are all >= 1e-6 of their tensor's largest: chosen from the reference alone, never from ORT."""
     family, mode, ckpt, bundle = built
-    ort_final, torch32, start = ten_adamw_steps(bundle, reference(ckpt, bundle))
-    _, torch64, _ = ten_adamw_steps(bundle, reference(ckpt, bundle).double())
+    ref64 = reference(ckpt, bundle).double()
+    seed = next(s for s in range(4, 12) if well_posed(bundle, ref64, s))
+    ort_final, torch32, _ = ten_adamw_steps(bundle, reference(ckpt, bundle), seed)
+    _, torch64, _ = ten_adamw_steps(bundle, ref64, seed)
     for key, exact in torch64.items():
         floor = np.abs(torch32[key] - exact).max()
         assert np.abs(ort_final[key] - exact).max() <= max(1e-5, 2 * floor), (key, floor)
+
+
+def well_posed(bundle, ref64, seed: int) -> bool:
+    """No LoRA gradient of ten_adamw_steps' first batch from random_lora(seed) is a float32 coin toss (float64)."""
+    from tests.bundle_helpers import load_lora_into, peft_lora_params, random_lora, sample_batch, torch_batch
+
+    load_lora_into(ref64, random_lora(bundle.manifest, seed))
+    ref64.zero_grad()
+    ref64(**torch_batch(sample_batch(bundle.manifest.model.vocab_size, 2, 24, seed=10))).loss.backward()
+    grads = [p.grad.numpy() for p in peft_lora_params(ref64).values()]
+    return all((np.abs(g) >= 1e-6 * np.abs(g).max()).all() for g in grads)
 
 
 def _ancestors(g: onnx.GraphProto, name: str) -> set[str]:
@@ -142,9 +165,9 @@ def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
         readers_of = [g.node[j] for j in read_by[n.output[0]]]
         assert readers_of
         before = _ancestors(g, n.output[0])
-        for r in readers_of:
-            if r.op_type in ("MatMul", "Gemm") and r.input[1] == n.output[0]:
-                assert r.input[0] in before, (n.name, r.name)         # runs after the reader's activation exists
+        assert "input_ids" in before, n.name                              # not a constant: waits for the batch
+        uses = [r for r in readers_of if r.op_type in ("MatMul", "Gemm") and r.input[1] == n.output[0]]
+        assert not uses or any(r.input[0] in before for r in uses), n.name  # ... and for its reader's activation
         sides = {j in bwd for j in read_by[n.output[0]]}
         assert len(sides) == 1, n.name                                 # not kept from the forward to the backward
 
@@ -159,7 +182,15 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
     bwd = backward_nodes(g)
     fwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i not in bwd]
     bwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i in bwd]
-    assert {n.output[0] for n in fwd_dq} == weights
+    linear = {w.onnx_name for w in bundle.manifest.quant.weights if w.axis == 1 or w.block}
+    assert {n.output[0] for n in fwd_dq} >= linear
+    weights = linear
+    # the LM head is dequantized one vocabulary slice at a time, never whole (the eval graph does it whole)
+    vocab = [w for w in bundle.manifest.quant.weights if w.axis == 0 and not w.block]
+    assert vocab, "the embedding / LM head is quantized too"
+    whole = {w.codes for w in vocab}
+    assert not [n.name for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in whole]
+    assert sum(n.op_type == "DequantizeLinear" and n.input[0].startswith("/chunked_head/") for n in g.node) >= 2
     # dX = dY W^T needs a weight again wherever a gradient flows below it (not under the first layer's inputs)
     assert len(weights) // 2 <= len(bwd_dq) < len(weights)
 

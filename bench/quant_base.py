@@ -1,0 +1,99 @@
+"""The quantized frozen base (issue 29) against float32, side by side: bundle size, peak RSS and tok/s.
+
+Per shape (random weights, the real config from ../shared/data/configs; LoRA r=8, alpha=16 on the attention
+projections, seq-len 128, effective batch 8 at the runner's split, the LM workload: WikiText-2 train in 128-token
+blocks) the same checkpoint is built three times, `pocketlora gen --quant none|int8|int4`, and each bundle is
+trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer steps; ROUNDS rounds of
+[none, int8, int4] alternate so drift hits all alike. tok/s is the median over each run's steps after its first
+(the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the process's VmHWM.
+Bundle weights: the shard files (weights-*.bin). Random weights say nothing about quality (see docs/STATUS.md).
+
+    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--quick] [--no-doc]
+    python -m bench.quant_base --rerender [--run JSON]
+
+The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/runs.py).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from bench import runs
+from bench.common import DEFAULT_WORKDIR, RUNS, log, machine, utc_now
+from bench.quant_base_render import MODES, render_report
+from bench.throughput.phases import prepare_data, setup_shape
+from bench.web_vs_native import _weight_bytes, run_one, variant_bundle
+
+WHAT = "quant-base"
+SHAPES = ("gpt2-124m", "gemma3-270m", "qwen2.5-0.5b")
+SPLIT = {"gpt2-124m": (4, 2), "gemma3-270m": (2, 4), "qwen2.5-0.5b": (2, 4)}   # the runner's own (docs/STATUS.md)
+GOALS = {  # shape: (bundle weights with int4, peak RSS with int4), bytes
+    "gpt2-124m": (0.1e9, 0.5e9), "gemma3-270m": (0.25e9, 0.8e9), "qwen2.5-0.5b": (0.4e9, 1.0e9)}
+TARGET_RATIO = 0.8
+
+
+def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
+    setup = setup_shape(name, sub, quick)
+    if setup.get("ok") is False:
+        return {"error": setup["error"]}
+    out = {"none": setup["bundle"]}
+    for mode in MODES[1:]:
+        log(f"{name}: gen --quant {mode}")
+        out[mode] = str(variant_bundle(name, sub, mode, ["--quant", mode]))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of none, int8, int4 (default 2)")
+    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
+    ap.add_argument("--no-doc", action="store_true", help="write the run into the workdir, not docs/bench/runs/")
+    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
+    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
+    args = ap.parse_args(argv)
+    if args.rerender:
+        log(f"wrote {runs.rerender(WHAT, render_report, args.run)}")
+        return 0
+    if args.quick:
+        args.steps, args.rounds = 1, 1
+    sub = args.workdir / ("quant_base-quick" if args.quick else "quant_base")
+    sub.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(sub)["lm"]
+    date = utc_now()
+    payload = {"what": WHAT, "date": date, "machine": machine(), "command": " ".join(
+        ["python -m bench.quant_base", *(argv if argv is not None else sys.argv[1:])]), "steps": args.steps,
+        "rounds": args.rounds, "target_ratio": TARGET_RATIO, "shapes": {}}
+    for name in args.shapes.split(","):
+        log(f"{name}: bundles")
+        b = bundles(name, sub, args.quick)
+        if "error" in b:
+            payload["shapes"][name] = b
+            continue
+        micro, accum = SPLIT.get(name, (1, 8))
+        entry = {"split": [micro, accum], "goals": GOALS.get(name), "modes": {
+            m: {"weight_bytes": _weight_bytes(Path(b[m])), "runs": []} for m in MODES}}
+        for r in range(args.rounds):
+            for m in MODES:
+                rec = run_one("native", b[m], data, micro, accum, args.steps, sub / f"{name}-{m}-run")
+                log(f"   {name} {m} round {r + 1}: " + (f"{rec['tok_s']:.1f} tok/s, peak RSS "
+                    f"{rec['peak_rss'] / 2**20:,.0f} MiB" if "error" not in rec else f"FAILED: {rec['error'][-200:]}"))
+                entry["modes"][m]["runs"].append(rec)
+        for m, e in entry["modes"].items():
+            ok = [x for x in e["runs"] if "error" not in x]
+            e["tok_s_median"] = statistics.median(t / s for x in ok for t, s in zip(x["tokens"], x["step_s"])) if ok else None
+            e["peak_rss_max"] = max((x["peak_rss"] for x in ok), default=None)
+        payload["shapes"][name] = entry
+    run = runs.stem(date, WHAT + ("-quick" if args.quick else ""))
+    out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
+    for p in runs.write(out_dir, run, render_report(payload, run), payload):
+        log(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

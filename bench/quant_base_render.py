@@ -1,0 +1,59 @@
+"""The report of a bench.quant_base run, from its JSON alone (so any run re-renders to the same bytes)."""
+from __future__ import annotations
+
+from bench import runs
+
+MODES = ("none", "int8", "int4")
+TITLE = "Quantized frozen base vs float32"
+
+
+def _gb(b) -> str:
+    return "—" if b is None else f"{b / 1e9:.3f}"
+
+
+def _verdict(value, goal) -> str:
+    if value is None or goal is None:
+        return "—"
+    return "met" if value <= goal else "MISSED"
+
+
+def render_report(p: dict, run: str) -> str:
+    lines = runs.header(TITLE, run, "bench/quant_base.py", p["machine"], p["command"], {"raw results": f"{run}.json"})
+    lines += [
+        "Each shape's random-weight checkpoint built three times (`pocketlora gen --quant none|int8|int4`), each "
+        f"bundle trained by `pocketlora train` (2 threads, `--battery none`) for 1 + {p['steps']} steps, "
+        f"{p['rounds']} rounds of none, int8, int4 alternating. LoRA r=8 on attn, seq-len 128, effective batch 8 at "
+        "the runner's split, WikiText-2 in 128-token blocks. tok/s: median over the steps after each run's first; "
+        "ratio: of the medians; peak RSS: the process's VmHWM, the largest over the rounds. Weights: the bundle's "
+        "shard files. int8: linear weights per column; int4: per block of 32 rows; both: embedding / LM head int8 "
+        "per row.",
+        "",
+        "| shape | split | mode | weights GB | goal | peak RSS GB | goal | tok/s | vs none | goal >= "
+        f"{p['target_ratio']}x |",
+        "|---|---|---|---:|---|---:|---|---:|---:|---|",
+    ]
+    for name, e in p["shapes"].items():
+        if "error" in e:
+            lines.append(f"| {name} | setup FAILED: {e['error'].splitlines()[-1][:160]} |||||||||")
+            continue
+        goals = e.get("goals") or [None, None]
+        base = e["modes"]["none"]["tok_s_median"]
+        for m in MODES:
+            x = e["modes"][m]
+            tok = x["tok_s_median"]
+            ratio = tok / base if tok and base else None
+            four = m == "int4"
+            lines.append(
+                f"| {name} | {e['split'][0]}x{e['split'][1]} | {m} | {_gb(x['weight_bytes'])} | "
+                f"{f'<= {goals[0] / 1e9:.2f}: ' + _verdict(x['weight_bytes'], goals[0]) if four and goals[0] else ''} | "
+                f"{_gb(x['peak_rss_max'])} | "
+                f"{f'<= {goals[1] / 1e9:.2f}: ' + _verdict(x['peak_rss_max'], goals[1]) if four and goals[1] else ''} | "
+                f"{'FAILED' if tok is None else f'{tok:.1f}'} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
+                f"{'' if m == 'none' or ratio is None else ('met' if ratio >= p['target_ratio'] else 'MISSED')} |")
+    lines += ["", "## Runs", "", "| shape | mode | round | tok/s | peak RSS MiB | wall s |", "|---|---|---:|---:|---:|---:|"]
+    for name, e in p["shapes"].items():
+        for m, x in e.get("modes", {}).items():
+            for i, r in enumerate(x["runs"]):
+                tok = "FAILED" if "error" in r else f"{r['tok_s']:.1f}"
+                lines.append(f"| {name} | {m} | {i + 1} | {tok} | {r['peak_rss'] / 2**20:,.0f} | {r['wall_s']} |")
+    return "\n".join(lines) + "\n"
