@@ -46,8 +46,10 @@ def _add_gen(sub) -> None:
     p.add_argument("--head-vocab-cols", type=int, default=None,
                    help="(default 16384) within a row slice, the vocabulary is read in slices of at most this many "
                         "entries with an online softmax, so the head's largest tensor is [rows, this]")
-    p.add_argument("--quant", default="none", help="the frozen linear weights in the bundle: none (float32) | int8 (per "
-                   "column) | int4 (per block of --quant-block rows); dequantized just in time while training")
+    p.add_argument("--quant", default=None, help="the frozen weights in the bundle: none (float32) | int8 (linear "
+                   "layers per column) | int4 (per block of --quant-block rows) | keep (a GGUF source's own blocks, "
+                   "exactly); embedding and LM head int8 per row. Dequantized just in time while training. Default: "
+                   "keep for a GGUF source, none otherwise")
     p.add_argument("--quant-block", type=int, default=32, help="int4's rows per scale block (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")

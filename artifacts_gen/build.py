@@ -136,7 +136,7 @@ def build_bundle(
     head_chunks: int | None = None,
     head_min_rows: int | None = None,
     head_vocab_cols: int | None = None,
-    quant: str = "none",
+    quant: str | None = None,
     quant_block: int = quantize.INT4_BLOCK,
     force: bool = False,
     log=print,
@@ -164,10 +164,20 @@ def build_bundle(
         raise ValueError(f"--head-vocab-cols {head_vocab_cols}: use {head_loss.VOCAB_ALIGN} or more (default "
                          f"{head_loss.VOCAB_COLS}; fewer = less memory, smaller GEMMs).")
 
-    quantize.check_mode(quant, quant_block)
+    if quant is not None:
+        quantize.check_mode(quant, quant_block)
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
+    quant = quant or (quantize.DEFAULT_FOR_GGUF if src.gguf_file else "none")
+    exact = None
+    if quant == "keep":
+        if not src.gguf_file:
+            raise quantize.QuantError(f"--quant keep: {src.description} is not a GGUF file; keep holds a GGUF's own "
+                                      "blocks. Use --quant int8 or int4 (or none).")
+        from .gguf_exact import read_exact
+
+        exact = read_exact(Path(src.path) / src.gguf_file)
     fam, config = src.family, src.model.config
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,11 +217,9 @@ def build_bundle(
             + (f", equal-valued weights kept distinct: {n_split}" if n_split else ""))
 
         forward, quantized = quantize.quantize_forward(forward, quant, quant_block, {t.onnx_name for t in train},
-                                                       graph_fixes.TRANSPOSED)
+                                                       graph_fixes.TRANSPOSED, exact)
         if quantized:
-            log(f"      {len(quantized)} frozen linear weights stored as {quant}"
-                + (f" (blocks of {quant_block})" if quant == "int4" else " (per column)")
-                + ", dequantized just in time")
+            log(f"      {quantize.describe(quant, quant_block, quantized)}, dequantized just in time")
 
         log("[4/5] writing shards and ORT training artifacts")
         plan = write_shards(forward, stage, {t.onnx_name for t in train}, shard_mb)

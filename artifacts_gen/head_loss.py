@@ -87,7 +87,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     w_is_vh = head.op_type == "Gemm" and attrs.get("transB", 0) == 1     # W [V, H] (tied embedding) or [H, V]
     quant = _dequantized_rows(g, w) if w_is_vh else None
     if quant:                      # a quantized base (quantize.quantize_vocab): read the codes and scales instead
-        w = quant[0]
+        w, dq_block = quant[0], quant[2]
     elif w not in {i.name for i in g.initializer}:
         raise ExportError(f"chunked head: the LM head weight {w!r} is not an initializer")
     y = sce.input[1]
@@ -113,7 +113,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     ])
     if softcap is not None:
         g.initializer.append(_const("cap", softcap, np.float32))
-    w_slices = _vocab_slices(g, w, w_is_vh, vocab_cols, quant[1] if quant else None)
+    w_slices = _vocab_slices(g, w, w_is_vh, vocab_cols, quant[1] if quant else None, dq_block if quant else 0)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     nodes = [
         # stop(h): exact copy of h that ORT's gradient builder does not differentiate through
@@ -170,8 +170,9 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         _route_gathers(g, w, w_slices)
 
 
-def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str] | None:
-    """(codes, scales) initializers if `w` is a per-row DequantizeLinear of them (through the gate's aliases)."""
+def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str, int] | None:
+    """(codes, scales, block) if `w` is a DequantizeLinear of initializers (through the gate's aliases), one scale
+    per row (block 0) or per `block` entries along the row."""
     producer = {o: n for n in g.node for o in n.output}
     inits = {i.name for i in g.initializer}
     dq = producer.get(w)
@@ -180,7 +181,8 @@ def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str] | None:
     scale = dq.input[1]
     while scale not in inits and scale in producer:
         scale = producer[scale].input[0]
-    return (dq.input[0], scale) if scale in inits else None
+    block = next((a.i for a in dq.attribute if a.name == "block_size"), 0)
+    return (dq.input[0], scale, block) if scale in inits else None
 
 
 def _drop_dead(g: onnx.GraphProto) -> None:
@@ -208,8 +210,8 @@ def vocab_slice_width(vocab: int, vocab_cols: int = VOCAB_COLS) -> int:
     return cols
 
 
-def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int, scale: str | None = None
-                  ) -> list[tuple[str, int, int, str | None]]:
+def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int, scale: str | None = None,
+                  block: int = 0) -> list[tuple[str, int, int, str | None, int]]:
     """The head weight in vocabulary slices of <= vocab_cols entries: [(name, first, end, scales or None)].
 
     A [V, H] weight in external data (the build always makes it so: graph_fixes.untie_head, shards) is
@@ -223,14 +225,14 @@ def _vocab_slices(g: onnx.GraphProto, w: str, w_is_vh: bool, vocab_cols: int, sc
     sliceable = w_is_vh and init.data_location == TensorProto.EXTERNAL and init.data_type in (
         TensorProto.FLOAT, TensorProto.INT8)
     if len(bounds) == 1 or not sliceable:
-        return [(w, 0, vocab, scale)]      # not sliceable in place: the whole vocabulary at once
+        return [(w, 0, vocab, scale, block)]      # not sliceable in place: the whole vocabulary at once
     scales = next(i for i in g.initializer if i.name == scale) if scale else None
     slices = []
     for j, (a, b) in enumerate(bounds):
         view = _row_view(init, a, b, f"{PREFIX}w{j}")
         s_view = _row_view(scales, a, b, f"{PREFIX}w{j}_scale") if scales is not None else None
         g.initializer.extend([view] + ([s_view] if s_view is not None else []))
-        slices.append((view.name, a, b, s_view.name if s_view is not None else None))
+        slices.append((view.name, a, b, s_view.name if s_view is not None else None, block))
     return slices
 
 
@@ -256,7 +258,7 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
     instead of W keeps W's own mapping untouched, so its pages are not counted twice in RSS."""
     p, n = PREFIX, helper.make_node
     nodes, parts = [], []
-    for j, (name, a, b, scale) in enumerate(slices):
+    for j, (name, a, b, scale, block) in enumerate(slices):
         q = f"{prefix}{j}/"
         g.initializer.extend([_const(q[len(p):] + "first", a, np.int64), _const(q[len(p):] + "size", b - a, np.int64)])
         nodes += [n("Sub", [idx, q + "first"], [q + "i"]),
@@ -264,7 +266,7 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
                   n("Less", [q + "i", q + "size"], [q + "below"]),
                   n("And", [q + "above", q + "below"], [q + "inside"]),
                   n("Where", [q + "inside", q + "i", p + "zero"], [q + "i_safe"]),
-                  *_gather(name, scale, q + "i_safe", q + "rows", q + "dq/"),
+                  *_gather(name, scale, q + "i_safe", q + "rows", q + "dq/", block),
                   n("Cast", [q + "inside"], [q + "inside_f"], to=TensorProto.FLOAT),
                   n("Unsqueeze", [q + "inside_f", p + "axis_last"], [q + "mask"]),
                   n("Mul", [q + "rows", q + "mask"], [q + "part"])]
@@ -272,11 +274,11 @@ def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, i
     return nodes + [n("Sum", parts, [out])]
 
 
-def _gather(table: str, scale: str | None, idx: str, out: str, p: str) -> list[onnx.NodeProto]:
-    """out = table[idx] (rows), dequantized when the table is int8 codes with per-row `scale`s."""
+def _gather(table: str, scale: str | None, idx: str, out: str, p: str, block: int = 0) -> list[onnx.NodeProto]:
+    """out = table[idx] (rows), dequantized when the table is int8 codes with `scale`s (per row, or per block)."""
     if scale is None:
         return [helper.make_node("Gather", [table, idx], [out], axis=0)]
-    return gather_dequantized(table, scale, idx, out, p, PREFIX + "axis_last")
+    return gather_dequantized(table, scale, idx, out, p, PREFIX + "axis_last", block)
 
 
 def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]]) -> None:
@@ -322,7 +324,7 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
     if len(w_slices) > 1:      # views of a [V, H] weight
         nodes += _gather_rows(g, c + "w_y/", w_slices, c + "y_safe", w_y)
     elif w_is_vh:
-        nodes += _gather(w_slices[0][0], w_slices[0][3], c + "y_safe", w_y, c + "w_y/")
+        nodes += _gather(w_slices[0][0], w_slices[0][3], c + "y_safe", w_y, c + "w_y/", w_slices[0][4])
     else:
         nodes.append(n("Gather", [w_slices[0][0], c + "y_safe"], [w_y], axis=1))
     if not w_is_vh:
@@ -341,7 +343,7 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
     inv_cap = 1.0 / softcap if softcap is not None else 1.0
     fixed_bound = p + "cap" if softcap is not None and softcap <= FIXED_BOUND_MAX else None
     m = s = a = None
-    for k, (w_k, _, _, scale_k) in enumerate(w_slices):
+    for k, (w_k, _, _, scale_k, block_k) in enumerate(w_slices):
         v = f"{c}v{k}/"
         h_k = c + "h"
         if a is not None:
@@ -356,7 +358,8 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
             h_k = v + "h"
         if scale_k is not None:    # this slice's rows dequantized just before their use, once h_k exists
             nodes += gate_nodes(scale_k, h_k, v + "dq/", ZERO)
-            nodes.append(n("DequantizeLinear", [w_k, v + "dq/x"], [v + "w"], axis=0))
+            nodes.append(n("DequantizeLinear", [w_k, v + "dq/x"], [v + "w"],
+                           **({"axis": 1, "block_size": block_k} if block_k else {"axis": 0})))
             w_k = v + "w"
         nodes.append(n("Gemm", [h_k, w_k], [v + "u"], transB=1 if w_is_vh else 0, alpha=inv_cap))
         z = v + "u"

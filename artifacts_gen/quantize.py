@@ -30,17 +30,27 @@ from ort_trainer import manifest as mf
 
 from .recompute import backward_nodes, gate_nodes, readers
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "keep")
 INT4_BLOCK = 32
+DEFAULT_FOR_GGUF = "keep"     # a GGUF source keeps its blocks unless --quant says otherwise (safetensors: none)
 INT4_OPSET = 21               # DequantizeLinear's int4 and block_size
 PREFIX = "/dequant/"
-CODES, SCALE = ".qcodes", ".qscale"
+CODES, SCALE, OFFSET = ".qcodes", ".qscale", ".qoffset"
 ZERO = PREFIX + "zero"
 MIN_ELEMENTS = 1024           # smaller weights are not worth a node
 
 
 class QuantError(ValueError):
     pass
+
+
+def describe(mode: str, block: int, weights: list[mf.QuantizedWeight]) -> str:
+    """One line for the build log: how many weights, in which forms."""
+    from collections import Counter
+
+    forms = Counter(w.source_format or (f"{w.dtype} blocks of {w.block}" if w.block else
+                                        f"{w.dtype} per {'row' if w.axis == 0 else 'column'}") for w in weights)
+    return f"{len(weights)} frozen weights quantized ({mode}): " + ", ".join(f"{n} {f}" for f, n in forms.items())
 
 
 def check_mode(mode: str, block: int) -> None:
@@ -78,24 +88,28 @@ def quantize_array(w: np.ndarray, mode: str, block: int = INT4_BLOCK) -> tuple[n
     return codes, np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
 
 
-def dequantize_array(codes: np.ndarray, scale: np.ndarray, block: int = 0, axis: int = 1) -> np.ndarray:
-    """The float32 weight a quantized weight stands for: codes * scale, per column (axis 1), per row (axis 0), or
-    per block of `block` rows of a column."""
+def dequantize_array(codes: np.ndarray, scale: np.ndarray, block: int = 0, axis: int = 1,
+                     offset: np.ndarray | None = None) -> np.ndarray:
+    """The float32 weight a quantized weight stands for: codes * scale (+ offset), with one scale per column
+    (axis 1, block 0), per row (axis 0, block 0), or per `block` entries along `axis`."""
     scale = np.asarray(scale, dtype=np.float32)
     if block:
-        scale = np.repeat(scale, block, axis=0)[: codes.shape[0]]
+        scale = np.repeat(scale, block, axis=axis)
     elif axis == 0:
         scale = scale[:, None]
-    return codes.astype(np.float32) * scale
+    w = codes.astype(np.float32) * scale
+    if offset is not None:
+        w = w + np.repeat(np.asarray(offset, dtype=np.float32).reshape(scale.shape[0] // block, -1), block, axis=0)
+    return w
 
 
-def int4_tensor(codes: np.ndarray, name: str) -> TensorProto:
-    """An ONNX INT4 tensor: two codes a byte, the first in the low nibble (as onnx.helper.make_tensor packs)."""
+def int4_tensor(codes: np.ndarray, name: str, unsigned: bool = False) -> TensorProto:
+    """An ONNX INT4 (UINT4) tensor: two codes a byte, the first in the low nibble (as onnx.helper.make_tensor packs)."""
     flat = codes.reshape(-1).astype(np.int8)
     if flat.size % 2:
         flat = np.concatenate([flat, np.zeros(1, np.int8)])
     packed = (flat[0::2].view(np.uint8) & 0x0F) | ((flat[1::2].view(np.uint8) & 0x0F) << 4)
-    t = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(codes.shape))
+    t = TensorProto(name=name, data_type=TensorProto.UINT4 if unsigned else TensorProto.INT4, dims=list(codes.shape))
     t.raw_data = packed.astype(np.uint8).tobytes()
     return t
 
@@ -107,11 +121,12 @@ def read_tensor(t: TensorProto, base_dir: str = ".") -> np.ndarray:
         onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
         t.data_location = TensorProto.DEFAULT
         del t.external_data[:]
-    if t.data_type != TensorProto.INT4:
+    if t.data_type not in (TensorProto.INT4, TensorProto.UINT4):
         return numpy_helper.to_array(t)
     raw = np.frombuffer(t.raw_data, dtype=np.uint8)
     both = np.stack([raw & 0x0F, raw >> 4], axis=1).reshape(-1).astype(np.int8)
-    both = np.where(both > 7, both - 16, both).astype(np.int8)
+    if t.data_type == TensorProto.INT4:
+        both = np.where(both > 7, both - 16, both).astype(np.int8)
     return both[: int(np.prod(t.dims))].reshape(list(t.dims))
 
 
@@ -165,20 +180,47 @@ def _reads_as_b(n: onnx.NodeProto, name: str) -> bool:
     return n.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in n.attribute)
 
 
-def _dq_node(codes: str, scale: str, out: str, name: str, block: int) -> onnx.NodeProto:
+def _dq_node(codes: str, scale: str, out: str, name: str, block: int, axis: int = 0) -> onnx.NodeProto:
     if block:
-        return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=0, block_size=block)
+        return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=axis, block_size=block)
     return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=1)
 
 
+def _codes_tensor(codes: np.ndarray, name: str, dtype: str) -> TensorProto:
+    if dtype == "int4":
+        return int4_tensor(codes, name)
+    if dtype == "uint4":
+        return int4_tensor(codes, name, unsigned=True)
+    return numpy_helper.from_array(codes.astype(np.int8), name)
+
+
+def _exact_for(name: str, w: np.ndarray, source_key: str, transposed: bool, exact: dict | None):
+    """The GGUF's exact blocks of a weight in the graph's layout (codes, scale, offset, block, format), or None
+    when the source has none for it. The blocks must give the weights the graph holds, bit for bit."""
+    ex = (exact or {}).get(source_key)
+    if ex is None:
+        return None
+    values = ex.dequantize()
+    if transposed:
+        values = values.T
+    if values.shape != w.shape or not np.array_equal(values.view(np.uint32), w.view(np.uint32)):
+        raise QuantError(f"{source_key}: the GGUF's {ex.fmt} blocks do not give the weights the source loaded "
+                         "(a converter changed them); build with --quant int8 or int4 instead.")
+    if not transposed:
+        return ex.codes, ex.scale, ex.offset, ex.block, ex.fmt, 1
+    return (ex.codes.T, ex.scale.T, None if ex.offset is None else ex.offset.T, ex.block, ex.fmt, 0)
+
+
 def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[str], transposed_suffix: str,
-                     ) -> tuple[onnx.ModelProto, list[mf.QuantizedWeight]]:
+                     exact: dict | None = None) -> tuple[onnx.ModelProto, list[mf.QuantizedWeight]]:
     """Replace the frozen linear weights of the forward graph (float32 initializers, values inline) by codes +
     scales and a gated DequantizeLinear whose output keeps the weight's name, so every reader is unchanged.
-    `keep`: initializers never quantized (the LoRA tensors). -> (the model, possibly at a new opset; the list)."""
+    `keep`: initializers never quantized (the LoRA tensors). `exact` (mode keep): a GGUF source's blocks by HF
+    name (gguf_exact.read_exact); weights without them stay float32. -> (the model, possibly at a new opset; the
+    list)."""
     if mode == "none":
         return model, []
-    if mode == "int4":
+    if mode in ("int4", "keep"):
         model = to_opset(model, INT4_OPSET)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -188,20 +230,41 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
     for k, (name, reader) in enumerate(chosen.items()):
         init = inits[name]
         w = numpy_helper.to_array(init)
-        codes, scale = quantize_array(w, mode, block)
-        use_block = block if mode == "int4" else 0
-        codes_t = int4_tensor(codes, name + CODES) if mode == "int4" else numpy_helper.from_array(codes, name + CODES)
+        transposed = name.endswith(transposed_suffix)
+        source_key = name[: -len(transposed_suffix)] if transposed else name
+        offset, fmt = None, ""
+        if mode == "keep":
+            found = _exact_for(name, w, source_key, transposed, exact)
+            if found is None or found[5] != 0:          # blocks must run along the input features (axis 0)
+                continue
+            codes, scale, offset, use_block, fmt, _ = found
+            dtype = "uint4" if fmt == "Q4_K" else "int8"
+        else:
+            codes, scale = quantize_array(w, mode, block)
+            use_block = block if mode == "int4" else 0
+            dtype = "int4" if mode == "int4" else "int8"
         g.initializer.remove(init)
-        g.initializer.extend([codes_t, numpy_helper.from_array(scale, name + SCALE)])
+        g.initializer.extend([_codes_tensor(codes, name + CODES, dtype), numpy_helper.from_array(scale, name + SCALE)])
         p = f"{PREFIX}{k}/"
         nodes = gate_nodes(name + SCALE, g.node[reader].input[0], p, ZERO)
-        nodes.append(_dq_node(name + CODES, p + "x", name, p + "dq", use_block))
+        if offset is None:
+            nodes.append(_dq_node(name + CODES, p + "x", name, p + "dq", use_block))
+        else:       # Q4_K: + offset per block, added as gguf-py subtracts dmin * m (x + (-y) == x - y)
+            kk, nn = w.shape
+            g.initializer.extend([
+                numpy_helper.from_array(offset.reshape(kk // use_block, 1, nn).astype(np.float32), name + OFFSET),
+                numpy_helper.from_array(np.array([kk // use_block, use_block, nn], np.int64), p + "blocks_shape"),
+                numpy_helper.from_array(np.array([kk, nn], np.int64), p + "w_shape")])
+            nodes += [_dq_node(name + CODES, p + "x", p + "scaled", p + "dq", use_block),
+                      helper.make_node("Reshape", [p + "scaled", p + "blocks_shape"], [p + "blocks"], name=p + "blocks"),
+                      helper.make_node("Add", [p + "blocks", name + OFFSET], [p + "shifted"], name=p + "offset"),
+                      helper.make_node("Reshape", [p + "shifted", p + "w_shape"], [name], name=p + "w")]
         inserts.setdefault(reader, []).extend(nodes)
-        transposed = name.endswith(transposed_suffix)
         entries.append(mf.QuantizedWeight(
-            onnx_name=name, source_key=name[: -len(transposed_suffix)] if transposed else name, transposed=transposed,
+            onnx_name=name, source_key=source_key, transposed=transposed,
             shape=[int(d) for d in init.dims], codes=name + CODES, scale=name + SCALE,
-            dtype="int4" if mode == "int4" else "int8", axis=0 if use_block else 1, block=use_block))
+            dtype=dtype, axis=0 if use_block else 1, block=use_block,
+            offset=name + OFFSET if offset is not None else "", source_format=fmt))
     if entries:
         out = []
         for j, n in enumerate(g.node):
@@ -210,7 +273,7 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
         del g.node[:]
         g.node.extend(out)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
-    return model, entries + quantize_vocab(model, keep)
+    return model, entries + quantize_vocab(model, keep, exact if mode == "keep" else None)
 
 
 def _vocab_weights(g: onnx.GraphProto, keep: set[str]) -> list[str]:
@@ -238,23 +301,29 @@ def _reads_as_head(n: onnx.NodeProto, name: str) -> bool:
             and any(a.name == "transB" and a.i for a in n.attribute))
 
 
-def gather_dequantized(codes: str, scale: str, idx: str, out: str, p: str, axis_last: str) -> list[onnx.NodeProto]:
-    """out = rows idx of a per-row int8 table, dequantized: Gather the codes and the scales, multiply."""
+def gather_dequantized(codes: str, scale: str, idx: str, out: str, p: str, axis_last: str, block: int = 0
+                       ) -> list[onnx.NodeProto]:
+    """out = rows idx of an int8 table, dequantized: Gather the codes and the scales, then multiply (one scale
+    per row) or a DequantizeLinear along the row (`block` columns per scale: the gathered scales have the codes'
+    rank, as blocked DequantizeLinear needs)."""
     n = helper.make_node
-    return [n("Gather", [codes, idx], [p + "q"], name=p + "q", axis=0),
-            n("Cast", [p + "q"], [p + "f"], name=p + "f", to=TensorProto.FLOAT),
-            n("Gather", [scale, idx], [p + "s"], name=p + "s", axis=0),
-            n("Unsqueeze", [p + "s", axis_last], [p + "s1"], name=p + "s1"),
-            n("Mul", [p + "f", p + "s1"], [out], name=p + "w")]
+    nodes = [n("Gather", [codes, idx], [p + "q"], name=p + "q", axis=0),
+             n("Gather", [scale, idx], [p + "s"], name=p + "s", axis=0)]
+    if block:
+        return nodes + [n("DequantizeLinear", [p + "q", p + "s"], [out], name=p + "w", axis=-1, block_size=block)]
+    return nodes + [n("Cast", [p + "q"], [p + "f"], name=p + "f", to=TensorProto.FLOAT),
+                    n("Unsqueeze", [p + "s", axis_last], [p + "s1"], name=p + "s1"),
+                    n("Mul", [p + "f", p + "s1"], [out], name=p + "w")]
 
 
 AXIS_LAST = PREFIX + "axis_last"
 
 
-def quantize_vocab(model: onnx.ModelProto, keep: set[str]) -> list[mf.QuantizedWeight]:
-    """The token embedding and the LM head ([V, H], tied or not) as int8 codes with one scale per vocabulary row,
-    in place. A lookup gathers the codes and scales of its rows only; the head's readers get a gated per-row
-    DequantizeLinear (the training graph's chunked head replaces it by one per vocabulary slice: head_loss)."""
+def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = None) -> list[mf.QuantizedWeight]:
+    """The token embedding and the LM head ([V, H], tied or not) as int8 codes with one scale per vocabulary row
+    (or, from a GGUF source, its exact blocks along the row: Q8_0, Q5_0, Q6_K), in place. A lookup gathers the
+    codes and scales of its rows only; the head's readers get a gated DequantizeLinear (the training graph's
+    chunked head replaces it by one per vocabulary slice: head_loss)."""
     g = model.graph
     names = _vocab_weights(g, keep)
     if not names:
@@ -265,22 +334,33 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str]) -> list[mf.QuantizedW
     entries = []
     for k, name in enumerate(names):
         init = inits[name]
-        codes, scale = quantize_array(numpy_helper.to_array(init), "int8-rows")
+        w = numpy_helper.to_array(init)
+        block, fmt = 0, ""
+        if exact is not None:
+            found = _exact_for(name, w, name, False, exact)
+            if found is None or found[2] is not None:       # kept float32 (no blocks, or Q4_K's offsets)
+                continue
+            codes, scale, _, block, fmt, _ = found
+        else:
+            codes, scale = quantize_array(w, "int8-rows")
         g.initializer.remove(init)
         g.initializer.extend([numpy_helper.from_array(codes, name + CODES), numpy_helper.from_array(scale, name + SCALE)])
         for r, j in enumerate(read_by[name]):
             node, p = g.node[j], f"{PREFIX}vocab{k}/{r}/"
             if node.op_type == "Gather":
-                replace[j] = gather_dequantized(name + CODES, name + SCALE, node.input[1], node.output[0], p, AXIS_LAST)
+                replace[j] = gather_dequantized(name + CODES, name + SCALE, node.input[1], node.output[0], p, AXIS_LAST,
+                                                block)
             else:
                 gated = gate_nodes(name + SCALE, node.input[0], p, ZERO)
                 gated.append(helper.make_node("DequantizeLinear", [name + CODES, p + "x"], [p + "w"], name=p + "dq",
-                                              axis=0))
+                                              **({"axis": 1, "block_size": block} if block else {"axis": 0})))
                 node.input[1] = p + "w"
                 replace[j] = gated + [node]
         entries.append(mf.QuantizedWeight(onnx_name=name, source_key=name, transposed=False,
                                           shape=[int(d) for d in init.dims], codes=name + CODES, scale=name + SCALE,
-                                          dtype="int8", axis=0, block=0))
+                                          dtype="int8", axis=1 if block else 0, block=block, source_format=fmt))
+    if not entries:
+        return []
     out = []
     for j, n in enumerate(g.node):
         out += replace.get(j, [n])
@@ -293,6 +373,21 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str]) -> list[mf.QuantizedW
     return entries
 
 
+def _chain(g: onnx.GraphProto, produced_by: dict[str, int], w: str) -> list[onnx.NodeProto] | None:
+    """The nodes computing weight w from its DequantizeLinear, first to last (one node, or Q4_K's DQ, Reshape, Add
+    of the offset, Reshape), or None when w is not dequantized."""
+    chain, name = [], w
+    while name in produced_by:
+        node = g.node[produced_by[name]]
+        chain.insert(0, node)
+        if node.op_type == "DequantizeLinear":
+            return chain
+        if node.op_type not in ("Reshape", "Add") or len(chain) > 4:
+            return None
+        name = node.input[0]
+    return None
+
+
 def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
     """In the training graph: each backward reader of a dequantized weight gets its own DequantizeLinear of the
     codes, gated on one of the reader's backward inputs, so the forward's float32 copy dies with its MatMul. A
@@ -303,10 +398,13 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
     read_by = readers(g)
     bwd = backward_nodes(g, read_by)
     produced_by = {o: i for i, n in enumerate(g.node) for o in n.output}
-    dq = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and n.output[0] in weights}
+    chains = {w: _chain(g, produced_by, w) for w in weights if w in produced_by}
     inserts: dict[int, list[onnx.NodeProto]] = {}
     count = 0
-    for w, node in dq.items():
+    for w, chain in chains.items():
+        if chain is None:
+            continue
+        node = chain[0]
         for j in [j for j in read_by[w] if j in bwd]:
             reader = g.node[j]
             gate = next((d for d in reader.input if d in produced_by and produced_by[d] in bwd and d != w), None)
@@ -321,9 +419,15 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
             while scale.startswith(PREFIX) and scale in produced_by:      # the forward's gated alias -> the scales
                 scale = g.node[produced_by[scale]].input[0]
             nodes = gate_nodes(scale, gate, p, ZERO)
-            new = copy.deepcopy(node)
-            new.input[1], new.output[0], new.name = p + "x", p + "w", p + "dq"
-            nodes.append(new)
+            renamed = {node.input[1]: p + "x"}
+            for c in chain:                           # the DequantizeLinear (and Q4_K's offset nodes), renamed
+                new = copy.deepcopy(c)
+                new.input[:] = [renamed.get(x, x) for x in c.input]
+                for o, out in enumerate(c.output):
+                    renamed[out] = p + "w" if out == w else p + f"{len(renamed)}"
+                    new.output[o] = renamed[out]
+                new.name = p + c.op_type + str(len(renamed))
+                nodes.append(new)
             inserts.setdefault(j, []).extend(nodes)
             reader.input[:] = [p + "w" if x == w else x for x in reader.input]
             count += 1
@@ -355,6 +459,6 @@ def dequantized_weights(bundle_dir, quant: mf.QuantSpec) -> dict[str, np.ndarray
     out = {}
     for q in quant.weights:
         w = dequantize_array(read_tensor(inits[q.codes], str(bundle_dir)), read_tensor(inits[q.scale], str(bundle_dir)),
-                             q.block, q.axis)
+                             q.block, q.axis, read_tensor(inits[q.offset], str(bundle_dir)) if q.offset else None)
         out[q.source_key] = np.ascontiguousarray(w.T) if q.transposed else w
     return out

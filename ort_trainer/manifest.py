@@ -108,16 +108,20 @@ class QuantizedWeight:
     scale: str               # initializer of the scales
     dtype: str               # "int8" | "int4"
     axis: int                # the axis a scale runs along: 1 per column, 0 per block of rows
-    block: int               # rows per scale block (0: one scale per column)
+    block: int               # entries per scale block along `axis` (0: one scale per column, or per row if axis 0)
+    offset: str = ""         # initializer added per block after scaling (a GGUF Q4_K's -dmin * m), or none
+    source_format: str = ""  # the GGUF block format kept exactly (--quant keep: Q8_0, Q5_0, Q6_K, Q4_K)
 
 
 @dataclass
 class QuantSpec:
-    mode: str = "none"       # none | int8 | int4 (artifacts_gen/quantize.py)
+    mode: str = "none"       # none | int8 | int4 | keep (artifacts_gen/quantize.py)
     block: int = 0           # int4's rows per scale block
     weights: list[QuantizedWeight] = field(default_factory=list)
-    note: str = ("weight = codes * scale (int8: one scale per column; int4: per block of `block` rows of a column), "
-                 "dequantized in the graphs just before each use; LoRA, norms, biases, embedding and LM head are float32")
+    note: str = ("weight = codes * scale (+ offset) per `block` entries along `axis` (block 0: one scale per column, "
+                 "or per row when axis is 0), dequantized in the graphs just before each use; int8: linear weights per "
+                 "column; int4: per block of rows; keep: a GGUF source's blocks as they are; embedding and LM head: "
+                 "int8 per row (keep: their GGUF blocks); LoRA, norms and biases are float32")
 
 
 @dataclass

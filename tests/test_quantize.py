@@ -208,7 +208,7 @@ def test_a_manifest_without_quant_loads_as_unquantized(built, tmp_path):
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["--quant", "int3"], "--quant int3: use one of none, int8, int4"),
+    (["--quant", "int3"], "--quant int3: use one of none, int8, int4, keep"),
     (["--quant", "int4", "--quant-block", "7"], "--quant-block 7: use an even number"),
 ])
 def test_bad_quant_options_fail_in_one_line_before_anything_is_written(tmp_path, args, expect):
