@@ -8,7 +8,10 @@ trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer st
 (the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the process's VmHWM.
 Bundle weights: the shard files (weights-*.bin). Random weights say nothing about quality (see docs/STATUS.md).
 
-    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--quick] [--no-doc]
+    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--no-lowmem] [--quick]
+                               [--no-doc]
+
+Last, Qwen2.5-0.5B int4 trains with --memory low at 1x8 inside a cgroup-v1 memory cgroup capped at 0.6 GB.
     python -m bench.quant_base --rerender [--run JSON]
 
 The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/runs.py).
@@ -32,6 +35,24 @@ SPLIT = {"gpt2-124m": (4, 2), "gemma3-270m": (2, 4), "qwen2.5-0.5b": (2, 4)}   #
 GOALS = {  # shape: (bundle weights with int4, peak RSS with int4), bytes
     "gpt2-124m": (0.1e9, 0.5e9), "gemma3-270m": (0.25e9, 0.8e9), "qwen2.5-0.5b": (0.4e9, 1.0e9)}
 TARGET_RATIO = 0.8
+LOWMEM = ("qwen2.5-0.5b", "int4", 0.6e9)   # shape, mode, hard cap: trains under --memory low in a cgroup
+
+
+def lowmem(bundle: str, data: Path, sub: Path, steps: int) -> dict:
+    """The bundle trained with --memory low at 1x8 inside a cgroup-v1 memory cgroup capped at LOWMEM's bytes (its
+    shards evicted from the page cache first, so their pages are charged to the cgroup)."""
+    from bench.throughput.config import CGROUP, CGROUP_ROOT
+    from bench.throughput.lowmem import _evict_page_cache, _reset_cgroup_counters
+
+    cap = int(LOWMEM[2])
+    if not CGROUP_ROOT.is_dir():
+        return {"cap_bytes": cap, "error": f"{CGROUP_ROOT} does not exist (no cgroup v1 memory controller)"}
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(cap))
+    _reset_cgroup_counters()
+    _evict_page_cache([p for p in Path(bundle).iterdir() if p.name.startswith("weights-")])
+    rec = run_one("native", bundle, data, 1, 8, steps, sub / "lowmem-run", flags=["--memory", "low"], cgroup=CGROUP)
+    return {"cap_bytes": cap, **rec}
 
 
 def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
@@ -53,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
     ap.add_argument("--no-doc", action="store_true", help="write the run into the workdir, not docs/bench/runs/")
+    ap.add_argument("--no-lowmem", action="store_true", help=f"skip {LOWMEM[0]} {LOWMEM[1]} under the capped "
+                    "--memory low run")
     ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
     ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
     args = ap.parse_args(argv)
@@ -88,6 +111,12 @@ def main(argv=None) -> int:
             e["tok_s_median"] = statistics.median(t / s for x in ok for t, s in zip(x["tokens"], x["step_s"])) if ok else None
             e["peak_rss_max"] = max((x["peak_rss"] for x in ok), default=None)
         payload["shapes"][name] = entry
+        if name == LOWMEM[0] and not args.no_lowmem:
+            log(f"{name}: {LOWMEM[1]} under --memory low, capped at {LOWMEM[2] / 1e9:.1f} GB")
+            payload["lowmem"] = {"shape": name, "mode": LOWMEM[1], **lowmem(b[LOWMEM[1]], data, sub, args.steps)}
+            r = payload["lowmem"]
+            log("   " + (f"{r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB" if "error" not in r
+                         else f"FAILED: {r['error'][-300:]}"))
     run = runs.stem(date, WHAT + ("-quick" if args.quick else ""))
     out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
     for p in runs.write(out_dir, run, render_report(payload, run), payload):

@@ -50,6 +50,15 @@ def render_report(p: dict, run: str) -> str:
                 f"{f'<= {goals[1] / 1e9:.2f}: ' + _verdict(x['peak_rss_max'], goals[1]) if four and goals[1] else ''} | "
                 f"{'FAILED' if tok is None else f'{tok:.1f}'} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'' if m == 'none' or ratio is None else ('met' if ratio >= p['target_ratio'] else 'MISSED')} |")
+    if "lowmem" in p:
+        r = p["lowmem"]
+        what = (f"FAILED (exit {r.get('exit')}): {(r['error'].splitlines() or ['?'])[-1][:200]}" if "error" in r else
+                f"trained: {r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB"
+                + (f", cgroup high-water {r['cgroup'].get('memory.max_usage_in_bytes', 0) / 2**20:,.0f} MiB, limit hits "
+                   f"{r['cgroup'].get('memory.failcnt', '?')}" if r.get("cgroup") else ""))
+        lines += ["", f"## {r['shape']} {r['mode']} under a hard cap of {r['cap_bytes'] / 1e9:.1f} GB", "",
+                  f"`pocketlora train --memory low` at 1x8 inside a cgroup-v1 memory cgroup "
+                  f"(memory.limit_in_bytes {r['cap_bytes']:,}), its shards evicted from the page cache first: {what}."]
     lines += ["", "## Runs", "", "| shape | mode | round | tok/s | peak RSS MiB | wall s |", "|---|---|---:|---:|---:|---:|"]
     for name, e in p["shapes"].items():
         for m, x in e.get("modes", {}).items():

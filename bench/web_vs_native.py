@@ -47,25 +47,36 @@ PREPACK = {"extra": {"session": {"disable_prepacking": "0"}}}
 NODE_DRIVER = REPO / "bench" / "web_driver.mjs"
 TARGET_RATIO = 0.4
 TIMEOUT_S = 3600
+WAIT_THEN_CLI = ("import runpy, sys; sys.stdin.readline(); sys.argv[0] = 'pocketlora_cli'; "
+                 "runpy.run_module('pocketlora_cli', run_name='__main__')")
 
 
 def run_one(runner: str, bundle: str, data: Path, micro: int, accum: int, steps: int, out: Path, *,
-            threads: int = THREADS, session: dict | None = None) -> dict:
-    """One training run of `runner` (native | web) for 1 + steps optimizer steps: its per-step tok/s, peak RSS."""
+            threads: int = THREADS, session: dict | None = None, flags: list[str] = (),
+            cgroup: Path | None = None) -> dict:
+    """One training run of `runner` (native | web) for 1 + steps optimizer steps: its per-step tok/s, peak RSS.
+    `flags`: more `train` flags; `cgroup`: run the native runner inside this memory cgroup."""
     if out.exists():
         shutil.rmtree(out)
     flags = ["--bundle", bundle, "--data", str(data), "--out", str(out), "--max-steps", str(1 + steps),
-             "--micro-batch", str(micro), "--accum", str(accum), "--threads", str(threads), "--battery", "none"]
+             "--micro-batch", str(micro), "--accum", str(accum), "--threads", str(threads), "--battery", "none",
+             *flags]
     log_path = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     if runner == "native":
-        c = run_child(["pocketlora_cli", "train", *flags], log_path, TIMEOUT_S, env=child_env(threads))
+        if cgroup is None:
+            c = run_child(["pocketlora_cli", "train", *flags], log_path, TIMEOUT_S, env=child_env(threads))
+        else:          # waits for the go on stdin (sent once it is in the cgroup) before it imports anything
+            c = run_command([sys.executable, "-c", WAIT_THEN_CLI, "train", *flags], log_path, TIMEOUT_S, cgroup,
+                            env=child_env(threads))
     else:
         c = run_command(["node", str(NODE_DRIVER), json.dumps(session or {}), "train", *flags], log_path, TIMEOUT_S,
                         env=child_env(threads))
     rec = {"runner": runner, "micro": micro, "accum": accum, "threads": threads, "session": session or {},
            "bundle": Path(bundle).name, "exit": c.code, "wall_s": round(c.wall, 1), "peak_rss": c.peak_rss(),
            "cpu_s": c.cpu_s}
+    if cgroup is not None:
+        rec["cgroup"] = c.cgroup
     metrics = out / "metrics.jsonl"
     steps_seen = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
     if c.code != 0 or len(steps_seen) < 1 + steps:

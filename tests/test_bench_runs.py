@@ -43,6 +43,10 @@ def _rendered(raw: Path) -> str:
         from bench.gen_real_shapes_render import render_report
 
         return render_report(p.pop("results"), p, raw.stem)
+    if what == "quant-quality":
+        from bench.quant_quality_render import render_report
+
+        return render_report(p, raw.stem)
     if what == "quant-base":
         from bench.quant_base_render import render_report
 

