@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper, version_converter
 
 from ort_trainer import manifest as mf
 
-from .recompute import backward_nodes, gate_nodes, readers
+from .recompute import backward_nodes, gate_nodes, insert_before, readers
 
 MODES = ("none", "int8", "int4", "keep")
 INT4_BLOCK = 32
@@ -282,12 +282,7 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
             dtype=dtype, axis=0 if use_block else 1, block=use_block,
             offset=name + OFFSET if offset is not None else "", source_format=fmt))
     if entries:
-        out = []
-        for j, n in enumerate(g.node):
-            out += inserts.get(j, [])
-            out.append(n)
-        del g.node[:]
-        g.node.extend(out)
+        insert_before(g, inserts)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
     return model, entries + quantize_vocab(model, keep, exact if mode == "keep" else None)
 
@@ -448,12 +443,7 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
             reader.input[:] = [p + "w" if x == w else x for x in reader.input]
             count += 1
     if count:
-        out = []
-        for j, n in enumerate(g.node):
-            out += inserts.get(j, [])
-            out.append(n)
-        del g.node[:]
-        g.node.extend(out)
+        insert_before(g, inserts)
         if not any(i.name == ZERO for i in g.initializer):    # ORT's constant sharing renamed the forward's
             g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
     return count

@@ -59,6 +59,16 @@ def backward_nodes(g: onnx.GraphProto, read_by: dict[str, list[int]] | None = No
     return bwd
 
 
+def insert_before(g: onnx.GraphProto, inserts: dict[int, list[onnx.NodeProto]]) -> None:
+    """In place: the nodes inserts[j] go right before node j (indices of the graph as it is)."""
+    out = []
+    for j, n in enumerate(g.node):
+        out += inserts.get(j, [])
+        out.append(n)
+    del g.node[:]
+    g.node.extend(out)
+
+
 def gate_nodes(x: str, d: str, p: str, zero: str) -> list[onnx.NodeProto]:
     """Nodes computing `p + "x"`: x itself (a Reshape to its own shape, an alias), made to depend on tensor d:
 
@@ -113,11 +123,6 @@ def recompute_activations(model: onnx.ModelProto) -> int:
                     reader.input[k] = p + "a"
         count += 1
     if count:
-        out = []
-        for j, n in enumerate(g.node):
-            out += inserts.get(j, [])
-            out.append(n)
-        del g.node[:]
-        g.node.extend(out)
+        insert_before(g, inserts)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), PREFIX + "zero"))
     return count

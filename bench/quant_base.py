@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from bench import runs
-from bench.common import DEFAULT_WORKDIR, RUNS, log, machine, utc_now
+from bench.common import RUNS, log
 from bench.quant_base_render import MODES, render_report
 from bench.throughput.phases import prepare_data, setup_shape
 from bench.web_vs_native import _weight_bytes, run_one, variant_bundle
@@ -71,26 +71,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step (default 3)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of none, int8, int4 (default 2)")
-    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
-    ap.add_argument("--no-doc", action="store_true", help="write the run into the workdir, not docs/bench/runs/")
     ap.add_argument("--no-lowmem", action="store_true", help=f"skip {LOWMEM[0]} {LOWMEM[1]} under the capped "
                     "--memory low run")
-    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
-    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
-    args = ap.parse_args(argv)
-    if args.rerender:
-        log(f"wrote {runs.rerender(WHAT, render_report, args.run)}")
+    args = runs.parse(ap, argv, WHAT, render_report)
+    if args is None:
         return 0
     if args.quick:
         args.steps, args.rounds = 1, 1
     sub = args.workdir / ("quant_base-quick" if args.quick else "quant_base")
     sub.mkdir(parents=True, exist_ok=True)
     data = prepare_data(sub)["lm"]
-    date = utc_now()
-    payload = {"what": WHAT, "date": date, "machine": machine(), "command": " ".join(
-        ["python -m bench.quant_base", *(argv if argv is not None else sys.argv[1:])]), "steps": args.steps,
-        "rounds": args.rounds, "target_ratio": TARGET_RATIO, "shapes": {}}
+    payload = {**runs.start(WHAT, "bench.quant_base", argv), "steps": args.steps, "rounds": args.rounds,
+               "target_ratio": TARGET_RATIO, "shapes": {}}
+    date = payload["date"]
     for name in args.shapes.split(","):
         log(f"{name}: bundles")
         b = bundles(name, sub, args.quick)

@@ -9,7 +9,8 @@ questions of every subject). keep and none are also scored through PyTorch on th
 loaded by transformers from the GGUF, i.e. gguf-py's dequantization; eval.reference_model), for the same-weights
 parity of the ORT graphs.
 
-    python -m bench.quant_quality [--ppl-tokens N] [--mmlu-limit N] [--workdir DIR] [--no-doc]
+    python -m bench.quant_quality [--modes none,int8,int4,keep] [--ppl-tokens N] [--mmlu-limit N] [--no-mmlu]
+                                  [--workdir DIR] [--no-doc]
     python -m bench.quant_quality --rerender [--run JSON]
 
 Goals: int8 <= +1% perplexity, int4 <= +10% against none; keep = none's values within 1e-5 (same weights, two
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import run_child
-from bench.common import DEFAULT_WORKDIR, RUNS, SHARED, log, machine, tail, utc_now
+from bench.common import RUNS, SHARED, log, tail
 from bench.web_vs_native import _weight_bytes
 
 WHAT = "quant-quality"
@@ -67,25 +68,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ppl-tokens", type=int, default=PPL_TOKENS)
     ap.add_argument("--mmlu-limit", type=int, default=MMLU_LIMIT)
-    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
-    ap.add_argument("--no-doc", action="store_true")
-    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
-    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
-    args = ap.parse_args(argv)
-    if args.rerender:
-        log(f"wrote {runs.rerender(WHAT, render_report, args.run)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (default all)")
+    ap.add_argument("--no-mmlu", action="store_true", help="perplexity only")
+    args = runs.parse(ap, argv, WHAT, render_report)
+    if args is None:
         return 0
     sub = args.workdir / "quant_quality"
     sub.mkdir(parents=True, exist_ok=True)
-    date = utc_now()
     ppl_args = ["--data", str(SHARED / "data" / "wikitext2" / "test.txt"), "--max-tokens", str(args.ppl_tokens),
                 "--bos-per-window"]
     mmlu_args = ["--data", str(SHARED / "data" / "mmlu" / "data"), "--split", "val", "--shots", "5",
                  "--limit", str(args.mmlu_limit)]
-    payload = {"what": WHAT, "date": date, "machine": machine(), "command": " ".join(
-        ["python -m bench.quant_quality", *(argv if argv is not None else sys.argv[1:])]), "model": MODEL,
+    payload = {**runs.start(WHAT, "bench.quant_quality", argv), "model": MODEL,
         "ppl_tokens": args.ppl_tokens, "mmlu_limit": args.mmlu_limit, "goals": GOALS, "modes": {}}
-    for mode in MODES:
+    for mode in args.modes.split(","):
         log(f"gen --quant {mode}")
         e = gen(mode, sub)
         payload["modes"][mode] = e
@@ -96,10 +92,12 @@ def main(argv=None) -> int:
             log(f"   {mode}: ppl ({backend})")
             e[f"ppl_{backend}"] = score("ppl", e["bundle"], backend, sub, ppl_args)
             log(f"      {e[f'ppl_{backend}'].get('ppl', e[f'ppl_{backend}'].get('error', '')[-200:])}")
+        if args.no_mmlu:
+            continue
         log(f"   {mode}: mmlu (ort)")
         e["mmlu_ort"] = score("mmlu", e["bundle"], "ort", sub, mmlu_args)
         log(f"      {e['mmlu_ort'].get('micro', e['mmlu_ort'].get('error', '')[-200:])}")
-    run = runs.stem(date, WHAT)
+    run = runs.stem(payload["date"], WHAT)
     out_dir = sub / "runs" if args.no_doc else RUNS
     for p in runs.write(out_dir, run, render_report(payload, run), payload):
         log(f"wrote {p}")

@@ -53,6 +53,36 @@ def write(out_dir: Path, run: str, report: str, raw: dict | None = None) -> list
     return out
 
 
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every bench shares: where it works, whether the run goes to docs/, re-rendering a run."""
+    from bench.common import DEFAULT_WORKDIR
+
+    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    ap.add_argument("--no-doc", action="store_true", help="write the run into the workdir, not docs/bench/runs/")
+    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
+    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None, what: str, render):
+    """Parse a bench's options (with add_run_arguments'); with --rerender, rewrite the run's report and return None."""
+    add_run_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.rerender:
+        print(f"wrote {rerender(what, render, args.run)}")
+        return None
+    return args
+
+
+def start(what: str, module: str, argv: list[str] | None) -> dict:
+    """A run's payload head: what ran, its UTC start, the host, the command."""
+    import sys
+
+    from bench.common import machine, utc_now
+
+    return {"what": what, "date": utc_now(), "machine": machine(),
+            "command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])}
+
+
 def rerender(what: str, render, raw_json: Path | None = None) -> Path:
     """Rewrite a run's report from its JSON (default: the newest `what` in RUNS); render(payload, stem) -> text."""
     raw_json = raw_json or latest(RUNS, what)

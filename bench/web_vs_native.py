@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import THREADS, child_env, run_child, run_command
-from bench.common import DEFAULT_WORKDIR, LORA, REPO, RUNS, SEQ_LEN, log, machine, tail, utc_now
+from bench.common import LORA, REPO, RUNS, SEQ_LEN, log, tail
 from bench.throughput.phases import prepare_data, setup_shape
 from bench.web_vs_native_render import render_report
 
@@ -200,23 +200,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (default 3)")
     ap.add_argument("--no-explore", action="store_true", help="skip the exploration; both runners at 1x8, 2 threads")
     ap.add_argument("--no-heap", action="store_true", help=f"skip the {HEAP_SHAPE} heap run")
-    ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
-    ap.add_argument("--no-doc", action="store_true", help="write the run into the workdir, not docs/bench/runs/")
-    ap.add_argument("--rerender", action="store_true", help="rewrite a run's report from its JSON")
-    ap.add_argument("--run", type=Path, help="with --rerender: the run's JSON (default: the newest in docs/bench/runs/)")
-    args = ap.parse_args(argv)
-    if args.rerender:
-        log(f"wrote {runs.rerender(WHAT, render_report, args.run)}")
+    args = runs.parse(ap, argv, WHAT, render_report)
+    if args is None:
         return 0
     if args.quick:
         args.steps, args.rounds = 1, 1
     sub = args.workdir / ("web_vs_native-quick" if args.quick else "web_vs_native")
     sub.mkdir(parents=True, exist_ok=True)
     data = prepare_data(sub)["lm"]
-    date = utc_now()
-    payload = {"what": WHAT, "date": date, "machine": machine(), "command": " ".join(["python -m bench.web_vs_native",
-               *(argv if argv is not None else sys.argv[1:])]), "steps": args.steps, "rounds": args.rounds,
+    payload = {**runs.start(WHAT, "bench.web_vs_native", argv), "steps": args.steps, "rounds": args.rounds,
                "threads": THREADS, "lora": LORA, "seq_len": SEQ_LEN, "target_ratio": TARGET_RATIO, "shapes": {}}
     for name in args.shapes.split(","):
         log(f"{name}: bundle")
@@ -243,7 +236,7 @@ def main(argv=None) -> int:
     if not args.no_heap:
         log(f"heap: {HEAP_SHAPE}")
         payload["heap"] = heap_probe(sub, data, 1, args.quick)
-    run = runs.stem(date, WHAT + ("-quick" if args.quick else ""))
+    run = runs.stem(payload["date"], WHAT + ("-quick" if args.quick else ""))
     out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
     for p in runs.write(out_dir, run, render_report(payload, run), payload):
         log(f"wrote {p}")
