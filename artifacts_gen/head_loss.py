@@ -357,9 +357,19 @@ def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: lis
                       n("Slice", [c + "h", p + "zero1", v + "after", p + "axis0"], [v + "h"])]
             h_k = v + "h"
         if scale_k is not None:    # this slice's rows dequantized just before their use, once h_k exists
+            # An empty row slice (the chunks after the used ones) dequantizes no rows: its codes and scales are cut
+            # to V_k rows, or to 1 when it has no rows. Without the cut, each step dequantized the
+            # whole head once per chunk, used or not (Gemma3's 262k x 640 head: 8 x 16 slices, ~2 s per step).
             nodes += gate_nodes(scale_k, h_k, v + "dq/", ZERO)
-            nodes.append(n("DequantizeLinear", [w_k, v + "dq/x"], [v + "w"],
-                           **({"axis": 1, "block_size": block_k} if block_k else {"axis": 0})))
+            nodes += [n("Shape", [h_k], [v + "rows"], start=0, end=1),
+                      n("Shape", [w_k], [v + "width"], start=0, end=1),
+                      n("Mul", [v + "rows", v + "width"], [v + "rows_x_width"]),
+                      n("Max", [v + "rows_x_width", p + "one1"], [v + "at_least_1"]),     # Gemm needs K > 0
+                      n("Min", [v + "at_least_1", v + "width"], [v + "needed"]),
+                      n("Slice", [w_k, p + "zero1", v + "needed", p + "axis0"], [v + "codes"]),
+                      n("Slice", [v + "dq/x", p + "zero1", v + "needed", p + "axis0"], [v + "scale"]),
+                      n("DequantizeLinear", [v + "codes", v + "scale"], [v + "w"],
+                        **({"axis": 1, "block_size": block_k} if block_k else {"axis": 0}))]
             w_k = v + "w"
         nodes.append(n("Gemm", [h_k, w_k], [v + "u"], transB=1 if w_is_vh else 0, alpha=inv_cap))
         z = v + "u"

@@ -37,6 +37,10 @@ class RuntimeOptions:
         # causal Softmax took 4.0-4.9 ms instead of 0.68 ms. Only values below 1.2e-38 change. ORT applies
         # this to its pool threads, and to the calling thread only from the first session of the process.
         so.add_session_config_entry("session.set_denormal_as_zero", "1")
+        # No QDQ graph transformers: the graphs hold no quantized operators, only a quantized base's just-in-time
+        # DequantizeLinear nodes, and EnsureUniqueDQForNodeUnit would copy each DQ once per reader (the LM head's
+        # vocabulary slices feed two Gemms: twice the dequantization per step).
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
         if training:
             # ORT's planner lets a later tensor reuse a freed buffer. In the training graph that tensor is
             # often an activation kept for the backward pass, so a large buffer stays alive for a small
