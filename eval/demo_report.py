@@ -53,6 +53,18 @@ def _ppl_rows(result: dict, seq_len: int) -> list[str]:
     return rows
 
 
+def _chat_rows(chat: dict | None) -> list[str]:
+    if not chat:
+        return []
+    rows = ["| turn | base model | fine-tuned |", "|---|---|---|"]
+    for b, a in zip(chat["before"], chat["after"]):
+        if b["role"] == "user":
+            rows.append(f"| **user** | {b['content']} | |")
+        else:
+            rows.append(f"| assistant | {b['content'][:80]} | {a['content'][:80]} |")
+    return rows + [""]
+
+
 def write_demo_report(work: Path, result: dict, run_dir: Path) -> Path:
     loss_png, acc_png = _plots(work, result, run_dir)
     (work / "result.json").write_text(json.dumps(result, indent=1))
@@ -83,11 +95,17 @@ def write_demo_report(work: Path, result: dict, run_dir: Path) -> Path:
         "",
         "## Sample answers (greedy, exported ONNX model on plain onnxruntime)",
         "",
+        f"The exported model's answers equal the decoder's for {result.get('samples_agree', '?')} of "
+        f"{len(result['samples'])} of these questions.",
+        "",
         "| question | true answer | base model | fine-tuned |",
         "|---|---|---|---|",
         *[f"| {s['question']} | {s['answer']} | {s['base'][:60]} | {s['tuned_standalone_onnx'][:60]} |"
           for s in result["samples"]],
         "",
+        "## A short chat, before and after (greedy, the bundle's KV-cache decoder, the adapter swapped in)",
+        "",
+        *_chat_rows(result.get("chat")),
         "## Every held-out question",
         "",
         "| kind | question | gold | after |",

@@ -125,7 +125,7 @@ def ort_side(cfg: ParityConfig, log=print) -> dict:
 def torch_side(cfg: ParityConfig, log=print) -> dict:
     import torch
 
-    from .ort_scorer import initial_lora
+    from ort_trainer.adapter import initial_lora
     from .reference import TrainConfig, reference_train
     from .reference_model import torch_lora_model
 
@@ -243,7 +243,7 @@ def read_sides(cfg: ParityConfig, man, log) -> TrainedSides:
     """Losses and final weights of both sides from OUT; raises ParityError if a side did not finish."""
     from safetensors.numpy import load_file
 
-    from .ort_scorer import lora_from_peft, lora_from_run
+    from ort_trainer.adapter import lora_from_peft, lora_from_run
 
     out = Path(cfg.out)
     summary = json.loads((out / ORT_RUN / "summary.json").read_text())
@@ -309,7 +309,7 @@ def _score(cfg: ParityConfig, bundle: Bundle, tok: TextTokenizer, scorer, heldou
 
 def evaluate(cfg: ParityConfig, bundle: Bundle, ort_lora: dict, torch_lora: dict, log=print) -> dict:
     """Perplexity and MMLU of base / ORT-trained / PyTorch-trained weights through both backends."""
-    from .ort_scorer import initial_lora
+    from ort_trainer.adapter import initial_lora
 
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
     weights = {"base": initial_lora(bundle), "ort_trained": ort_lora, "torch_trained": torch_lora}

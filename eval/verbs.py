@@ -23,7 +23,9 @@ from ort_trainer.tokenizer import TextTokenizer
 from ort_trainer.session import RuntimeOptions
 
 from .inputs import bos_windows, letter_ids, mmlu_max_len, ppl_settings, prompt_encoder, text_token_ids
-from .ort_scorer import OrtScorer, as_bundle, resolve_lora
+from ort_trainer.adapter import resolve_lora
+
+from .ort_scorer import OrtScorer, as_bundle
 from .scoring import PerplexityResult, mmlu_eval, mmlu_summary, perplexity
 
 BACKENDS = ("ort", "torch")

@@ -25,6 +25,7 @@ TOKENIZER_DIR = "tokenizer"
 CONFIG = "config.json"
 WEB_TRAINING_MODEL = "web_training_model.onnx"   # the web runner's gradient graph (artifacts_gen/web_graphs.py)
 WEB_LORA_INIT = "web_lora_init.safetensors"     # the checkpoint's LoRA tensors, for the web runner
+DECODER_MODEL = "decoder_model.onnx"            # prefill + decode with a KV cache (artifacts_gen/decoder.py)
 
 # Graph interface (both training and eval models take these inputs).
 INPUT_NAMES = ("input_ids", "attention_mask", "labels", "loss_scale")
@@ -125,11 +126,24 @@ class QuantSpec:
 
 
 @dataclass
+class DecoderSpec:
+    file: str = ""           # "" in bundles built before 2026-12-05, which have no decoder
+    num_layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    max_positions: int = 0   # prompt + new tokens may not exceed this
+    note: str = ("inputs: input_ids [B, S], attention_mask [B, P + S] (left-padded rows), position_ids [B, S], "
+                 "past.{i}.key / past.{i}.value [B, kv_heads, P, head_dim] (P = 0 at prefill), and each trainable LoRA "
+                 "tensor by its onnx_name (zeros: the base model); outputs: logits [B, vocab] at the last "
+                 "position, present.{i}.key / .value [B, kv_heads, P + S, head_dim]. Frozen weights: the shards")
+
+
+@dataclass
 class FileEntry:
     path: str                # relative to the bundle directory
     bytes: int
     sha256: str
-    role: str                # training_model | eval_model | optimizer_model | checkpoint | shard | tokenizer | config
+    role: str                # training_model | eval_model | optimizer_model | decoder_model | checkpoint | shard | tokenizer | config
 
 
 @dataclass
@@ -155,6 +169,7 @@ class Manifest:
     # never has one). False in bundles built before 2026-12-01, which compute every padded position.
     padding_free: bool = False
     quant: QuantSpec = field(default_factory=QuantSpec)    # the frozen base's quantization (none before 2026-12-04)
+    decoder: DecoderSpec = field(default_factory=DecoderSpec)   # the KV-cache decoder (none before 2026-12-05)
     schema_version: int = SCHEMA_VERSION
     created_by: str = "pocketlora artifacts_gen"
 
@@ -191,6 +206,8 @@ class Manifest:
                 q["weights"] = [QuantizedWeight(**_take(QuantizedWeight, w, f"{origin}: quant.weights"))
                                 for w in q.get("weights", [])]
                 kw["quant"] = QuantSpec(**q)
+            if "decoder" in data:
+                kw["decoder"] = DecoderSpec(**_take(DecoderSpec, data["decoder"], f"{origin}: decoder"))
         except (TypeError, KeyError) as exc:
             raise ManifestError(f"{origin}: malformed manifest ({exc}); rebuild the bundle") from exc
         for f in kw["files"]:

@@ -275,6 +275,19 @@ def generation_prompt_ids(tokenizer: TextTokenizer, messages: list[dict]) -> lis
 
 
 
+def turn_end_ids(tokenizer: TextTokenizer) -> set[int]:
+    """Token ids that end the model's turn: the eos token, and the special token the chat template writes right after
+    an assistant's message (Gemma's <end_of_turn>, Qwen's <|im_end|>)."""
+    ends = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    marker = "\x00answer\x00"
+    text = tokenizer.render_chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}])
+    after = text[text.find(marker) + len(marker):] if marker in text else ""
+    first = tokenizer.encode(after, add_special_tokens=False)[:1]
+    if first and tokenizer.decode(first, skip_special_tokens=True) == "":
+        ends.add(first[0])
+    return ends
+
+
 def _probe_window(lines: list[str], c: int) -> tuple[str, str] | None:
     """The text around a cut before line c: TEXT_SEAM_PROBE lines each side, widened until both
     ends are lines with non-whitespace (or the file's ends), so that whitespace runs crossing the

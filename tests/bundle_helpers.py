@@ -4,8 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 
+from ort_trainer import manifest as mf
 from ort_trainer.manifest import Manifest
 
 SEQ_LEN = 64          # bundles are built for 64; tests also run other lengths than the trace's
@@ -108,3 +111,40 @@ def head_weight_views(bundle) -> tuple[str, list[str]]:
         assert sum(v.dims[0] for v in views) == whole.dims[0]
         assert not any(whole.name in n.input for n in tr.graph.node)
     return whole.name, [v.name for v in views]
+
+
+def eval_initializers(bundle) -> dict[str, onnx.TensorProto]:
+    model = onnx.load(str(bundle.file(mf.EVAL_MODEL)))            # external data loaded by onnx itself
+    return {i.name: i for i in model.graph.initializer}
+
+
+def dequantized_here(bundle) -> dict[str, np.ndarray]:
+    """source key -> codes x scales, in the source model's layout, computed here with onnx's own readers."""
+    inits = eval_initializers(bundle)
+    out = {}
+    for q in bundle.manifest.quant.weights:
+        codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
+        scale = numpy_helper.to_array(inits[q.scale])
+        if q.block:
+            scale = np.repeat(scale, q.block, axis=q.axis)
+        elif q.axis == 0:
+            scale = scale[:, None]
+        w = codes * scale
+        if q.offset:                                          # added per block of rows after scaling
+            offset = numpy_helper.to_array(inits[q.offset]).reshape(-1, codes.shape[1])
+            w = w + np.repeat(offset, q.block, axis=0)
+        out[q.source_key] = w.T if q.transposed else w
+    return out
+
+
+def with_dequantized_base(model, bundle):
+    """An HF model (plain or PEFT-wrapped) whose quantized weights are replaced by the bundle's dequantized values,
+    computed here from the codes and scales (the identity for an unquantized bundle)."""
+    from peft import PeftModel
+
+    inner = model.base_model.model if isinstance(model, PeftModel) else model
+    params = {n.replace(".base_layer", ""): p for n, p in inner.named_parameters()}
+    with torch.no_grad():
+        for key, w in dequantized_here(bundle).items():
+            params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    return model

@@ -2,6 +2,7 @@
 renderer makes of its JSON (rendering is apart from running, so any run re-renders to the same bytes)."""
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -43,21 +44,10 @@ def _rendered(raw: Path) -> str:
         from bench.gen_real_shapes_render import render_report
 
         return render_report(p.pop("results"), p, raw.stem)
-    if what == "quant-quality":
-        from bench.quant_quality_render import render_report
-
-        return render_report(p, raw.stem)
-    if what == "quant-base":
-        from bench.quant_base_render import render_report
-
-        return render_report(p, raw.stem)
-    if what == "web-vs-native":
-        from bench.web_vs_native_render import render_report
-
-        return render_report(p, raw.stem)
-    from bench.label_positions import render_report
-
-    return render_report(p, raw.stem)
+    module = {"quant-quality": "bench.quant_quality_render", "quant-base": "bench.quant_base_render",
+              "web-vs-native": "bench.web_vs_native_render", "decode": "bench.decode_render"}.get(what,
+                                                                                                  "bench.label_positions")
+    return importlib.import_module(module).render_report(p, raw.stem)
 
 
 @pytest.mark.parametrize("raw", [p for p in sorted(RUNS.glob("*.json"))

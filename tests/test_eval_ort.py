@@ -15,7 +15,8 @@ import torch
 
 from eval.inputs import letter_ids, prompt_encoder, text_token_ids
 from eval.scoring import Scorer, mmlu_eval, mmlu_prompt, perplexity
-from eval.ort_scorer import OrtScorer, initial_lora, lora_from_peft
+from eval.ort_scorer import OrtScorer
+from ort_trainer.adapter import initial_lora, lora_from_peft
 from eval.torch_scorer import TorchScorer
 from ort_trainer.bundle import open_bundle
 from ort_trainer.tokenizer import TextTokenizer

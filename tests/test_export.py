@@ -9,7 +9,9 @@ import torch
 from ort_trainer.bundle import open_bundle
 from ort_trainer.adapter import export_onnx, export_peft
 from ort_trainer.session import EvalSession
-from tests.bundle_helpers import build_tiny_bundle, random_lora, sample_batch, to_onnx_layout, torch_batch
+from tests.bundle_helpers import (
+    build_tiny_bundle, random_lora, sample_batch, to_onnx_layout, torch_batch, with_dequantized_base,
+)
 from tests.tiny_models import FAMILIES
 
 
@@ -35,13 +37,7 @@ def test_peft_directory_loads_and_reproduces_ort_logits(trained):
     ckpt, bundle, lora, batch, ort_logits, root = trained
     out = export_peft(bundle.manifest, lora, root / "peft")
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    if bundle.manifest.quant.weights:        # the same LoRA tensors, on the base the bundle computes with
-        from tests.test_quantize import dequantized_here
-
-        params = dict(base.named_parameters())
-        with torch.no_grad():
-            for key, w in dequantized_here(bundle).items():
-                params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    with_dequantized_base(base, bundle)      # the same LoRA tensors, on the base the bundle computes with
     model = PeftModel.from_pretrained(base, out).eval()
     with torch.no_grad():
         logits = model(**{k: v for k, v in torch_batch(batch).items() if k != "labels"}).logits

@@ -9,13 +9,13 @@ import sys
 import numpy as np
 import onnx
 import pytest
-import torch
-from onnx import numpy_helper
 
 from artifacts_gen import quantize
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import build_tiny_bundle, peft_reference
+from tests.bundle_helpers import (
+    build_tiny_bundle, dequantized_here, eval_initializers, peft_reference, with_dequantized_base,
+)
 from tests.test_artifacts_gen import (
     assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps,
 )
@@ -31,38 +31,9 @@ def built(request, tmp_path_factory):
     return family, mode, ckpt, open_bundle(path)
 
 
-def _initializers(bundle) -> dict[str, onnx.TensorProto]:
-    model = onnx.load(str(bundle.file(mf.EVAL_MODEL)))            # external data loaded by onnx itself
-    return {i.name: i for i in model.graph.initializer}
-
-
-def dequantized_here(bundle) -> dict[str, np.ndarray]:
-    """source key -> codes x scales, in the source model's layout, computed here with onnx's own readers."""
-    inits = _initializers(bundle)
-    out = {}
-    for q in bundle.manifest.quant.weights:
-        codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
-        scale = numpy_helper.to_array(inits[q.scale])
-        if q.block:
-            scale = np.repeat(scale, q.block, axis=q.axis)
-        elif q.axis == 0:
-            scale = scale[:, None]
-        w = codes * scale
-        if q.offset:                                          # added per block of rows after scaling
-            offset = numpy_helper.to_array(inits[q.offset]).reshape(-1, codes.shape[1])
-            w = w + np.repeat(offset, q.block, axis=0)
-        out[q.source_key] = w.T if q.transposed else w
-    return out
-
-
 def reference(ckpt, bundle):
     """PEFT on the source model, its quantized weights replaced by the bundle's dequantized values."""
-    ref = peft_reference(ckpt, bundle.manifest)
-    params = {n.replace(".base_layer", ""): p for n, p in ref.base_model.model.named_parameters()}
-    with torch.no_grad():
-        for key, w in dequantized_here(bundle).items():
-            params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
-    return ref
+    return with_dequantized_base(peft_reference(ckpt, bundle.manifest), bundle)
 
 
 def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
@@ -73,7 +44,7 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
     source = {n.replace(".base_layer", ""): v for n, v in source.items()}
     layers = bundle.manifest.model.num_layers
     assert len(q.weights) >= 4 * layers                       # attention in/out and the MLP's, every layer
-    inits = _initializers(bundle)
+    inits = eval_initializers(bundle)
     for w in q.weights:
         assert w.onnx_name not in inits                       # no float32 copy of it is stored
         vocab = w.axis == 0 and not w.block                   # embedding / LM head: int8 per row in both modes

@@ -11,6 +11,7 @@
 // is android_runner/loop.py's (src/gate; `browser`, the Battery Status API, exists only in the page). Known,
 // user-fixable errors print one line and exit 2. The run directory is read by `pocketlora export --run R`.
 import fs from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
@@ -117,6 +118,7 @@ const USAGE = 'usage: cli.mjs train --bundle B --data D --out R (--max-steps N |
  */
 export async function main(argv, hooks = {}) {
   const [verb, ...rest] = argv;
+  if (verb === 'generate') return generateCommand(rest);
   if (verb !== 'train') throw new UsageError(USAGE);
   const args = parseTrainArgs(rest);
   if (args.help) { console.log(USAGE); return 0; }
@@ -139,9 +141,61 @@ export async function main(argv, hooks = {}) {
   return 0;
 }
 
+const GENERATE_FLAGS = {
+  bundle: { type: 'string' }, run: { type: 'string' }, prompt: { type: 'string', multiple: true },
+  raw: { type: 'boolean' }, 'max-new-tokens': { type: 'string' }, greedy: { type: 'boolean' },
+  temperature: { type: 'string' }, 'top-k': { type: 'string' }, 'top-p': { type: 'string' }, seed: { type: 'string' },
+  json: { type: 'boolean' }, threads: { type: 'string' },
+};
+const GENERATE_USAGE = 'usage: cli.mjs generate --bundle B [--run R] --prompt TEXT [--prompt TEXT ...] [--raw] ' +
+  '[--max-new-tokens 128] [--greedy | --temperature 0.7 --top-k 50 --top-p 0.95 --seed 0] [--json] [--threads N]';
+
+/** The `generate` command: `pocketlora generate` on the bundle's decoder in WASM, with a run's latest adapter. */
+async function generateCommand(argv) {
+  let values;
+  try {
+    ({ values } = parseArgs({ args: argv, options: GENERATE_FLAGS, strict: true, allowPositionals: false }));
+  } catch (e) {
+    throw new UsageError(e.message);
+  }
+  if (!values.bundle || !values.prompt) throw new UsageError(GENERATE_USAGE);
+  const { Decoder, generate, turnEndIds } = await import('./src/decoder.mjs');
+  const { TextTokenizer } = await import('./src/text_source.mjs');
+  const { readSafetensors } = await import('./src/safetensors.mjs');
+  const bundle = await openBundleDir(values.bundle);
+  const tok = await TextTokenizer.fromDir(path.join(bundle.path, 'tokenizer'));
+  const sampling = {
+    maxNewTokens: number('max-new-tokens', values['max-new-tokens'], true) ?? 128,
+    temperature: values.greedy ? 0 : number('temperature', values.temperature, false) ?? 0.7,
+    topK: number('top-k', values['top-k'], true) ?? 50, topP: number('top-p', values['top-p'], false) ?? 0.95,
+    seed: number('seed', values.seed, true) ?? 0,
+  };
+  const prompts = values.prompt.map((text) => {
+    if (!text.trim()) throw new UsageError('empty prompt: give some text');
+    return values.raw ? [...tok.prefixIds, ...tok.encode(text, false)]
+      : tok.generationPromptIds([{ role: 'user', content: text }]);
+  });
+  // onnxruntime-web's own default (0) looks up the cores with a require() its ES module cannot make in Node
+  const ort = await loadOrt({ threads: number('threads', values.threads, true) || Math.min(4, os.availableParallelism()) });
+  const decoder = await Decoder.open(ort, bundle, { collectGarbage });
+  if (values.run) {
+    const found = await new NodeRunStore(values.run).latest();
+    if (!found) throw new UsageError(`--run ${values.run}: no checkpoint yet`);
+    decoder.useAdapter(new Map([...readSafetensors(found.weights).tensors].map(([n, t]) => [n, t.data])));
+  }
+  const stop = turnEndIds(tok);
+  const outs = await generate(decoder, prompts, sampling, stop, tok.padId ?? 0);
+  for (const ids of outs) {
+    const text = tok.decode(ids, true);
+    console.log(values.json ? JSON.stringify({ token_ids: ids, text }) : text);
+  }
+  return 0;
+}
+
 if (process.argv[1] && fs.realpathSync(process.argv[1]) === fs.realpathSync(fileURLToPath(import.meta.url))) {
   main(process.argv.slice(2)).then((code) => process.exit(code), (e) => {
-    if (e instanceof UsageError || e instanceof RunError || e instanceof EngineError || e?.constructor?.name === 'DataError') {
+    if (e instanceof UsageError || e instanceof RunError || e instanceof EngineError ||
+        ['DataError', 'DecoderError'].includes(e?.constructor?.name)) {
       console.error(`error: ${e.message}`);
       process.exit(2);
     }

@@ -1,0 +1,106 @@
+"""Generation with the bundle's KV-cache decoder (issue 30) against transformers generate(), side by side.
+
+Per shape (random weights, the real config from ../shared/data/configs; LoRA r=8, alpha=16 on the attention
+projections, with random non-zero values) the same prompt of PROMPT_LEN random tokens is greedy-decoded to NEW new
+tokens by ours (`ort_trainer.decoder`, the fp32 bundle and its int4 variant) and by transformers' generate() on the
+PEFT-wrapped checkpoint (its defaults: SDPA attention, a DynamicCache), each run a process of its own with 2
+threads, ROUNDS rounds alternating. Reported per side: decode tok/s (the median over rounds; the goal is >= 1.5x
+transformers), prefill tok/s and time to first token, peak RSS (VmHWM), load time, and for ours the adapter
+switch time and the decoder graph's size beside the bundle's weights.
+
+    python -m bench.decode [--shapes gemma3-270m,qwen2.5-0.5b] [--rounds 3] [--new 128] [--prompt-len 128]
+                           [--quick] [--no-doc]
+    python -m bench.decode --rerender [--run JSON]
+
+The run is written whole as docs/bench/runs/<date>-decode.{md,json} (bench/runs.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from bench import runs
+from bench.children import THREADS, run_child
+from bench.common import RUNS, log, tail
+from bench.decode_render import SIDES, render_report
+from bench.throughput.phases import setup_shape
+from bench.web_vs_native import _weight_bytes, variant_bundle
+
+WHAT = "decode"
+SHAPES = ("gemma3-270m", "qwen2.5-0.5b")
+TARGET_RATIO = 1.5
+TIMEOUT_S = 1800
+
+
+def _bundles(name: str, sub: Path, quick: bool) -> dict:
+    setup = setup_shape(name, sub, quick)
+    if setup.get("ok") is False:
+        return {"error": setup["error"]}
+    fp32 = Path(setup["bundle"])
+    if not json.loads((fp32 / "manifest.json").read_text()).get("decoder", {}).get("file"):
+        fp32 = variant_bundle(name, sub, "decoder", [])          # a bundle cached from before the decoder existed
+    return {"ckpt": str(sub / f"{name}-ckpt"), "ours-fp32": str(fp32),
+            "ours-int4": str(variant_bundle(name, sub, "int4", ["--quant", "int4"]))}
+
+
+def _run(side: str, b: dict, spec: dict, log_path: Path) -> dict:
+    kind = "torch" if side == "torch" else "ours"
+    spec = {**spec, "bundle": b["ours-fp32"] if side == "torch" else b[side], "ckpt": b["ckpt"]}
+    c = run_child(["bench.decode_worker", kind, json.dumps(spec)], log_path, TIMEOUT_S)
+    if not c.ok:
+        return {"error": tail(c.log_path)}
+    return {**c.result, "peak_rss": c.peak_rss()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new", type=int, default=128, help="new tokens per run (default 128)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    ap.add_argument("--quick", action="store_true", help="tiny configs, 1 round, 16 tokens: a smoke test")
+    args = runs.parse(ap, argv, WHAT, render_report)
+    if args is None:
+        return 0
+    if args.quick:
+        args.rounds, args.new, args.prompt_len = 1, 16, 16
+    sub = args.workdir / ("decode-quick" if args.quick else "decode")
+    sub.mkdir(parents=True, exist_ok=True)
+    payload = {**runs.start(WHAT, "bench.decode", argv), "rounds": args.rounds, "new": args.new,
+               "prompt_len": args.prompt_len, "threads": THREADS, "target_ratio": TARGET_RATIO, "shapes": {}}
+    spec = {"new": args.new, "prompt_len": args.prompt_len, "threads": THREADS}
+    for name in args.shapes.split(","):
+        log(f"{name}: bundles")
+        b = _bundles(name, sub, args.quick)
+        if "error" in b:
+            payload["shapes"][name] = b
+            continue
+        fp32 = Path(b["ours-fp32"])
+        entry = {"weight_bytes": _weight_bytes(fp32), "decoder_bytes": (fp32 / "decoder_model.onnx").stat().st_size,
+                 "sides": {s: {"runs": []} for s in SIDES}}
+        for r in range(args.rounds):
+            for side in SIDES:
+                rec = _run(side, b, spec, sub / f"{name}-{side}-r{r}.log")
+                entry["sides"][side]["runs"].append(rec)
+                log(f"   {name} {side} round {r + 1}: " + (
+                    f"decode {rec['decode_tok_s']:.1f} tok/s, ttft {rec['ttft_s'] * 1e3:.0f} ms, peak RSS "
+                    f"{rec['peak_rss'] / 2**20:,.0f} MiB" if "error" not in rec else f"FAILED: {rec['error'][-200:]}"))
+        for e in entry["sides"].values():
+            ok = [x for x in e["runs"] if "error" not in x]
+            for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "load_s", "switch_s"):
+                vals = [x[key] for x in ok if x.get(key) is not None]
+                e[key] = statistics.median(vals) if vals else None
+            e["peak_rss_max"] = max((x["peak_rss"] for x in ok), default=None)
+        payload["shapes"][name] = entry
+    run = runs.stem(payload["date"], WHAT + ("-quick" if args.quick else ""))
+    out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
+    for p in runs.write(out_dir, run, render_report(payload, run), payload):
+        log(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
