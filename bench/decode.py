@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import THREADS, run_child
-from bench.common import RUNS, log, tail
+from bench.common import log, tail
 from bench.decode_render import SIDES, render_report
 from bench.throughput.phases import setup_shape
 from bench.web_vs_native import _weight_bytes, variant_bundle
@@ -95,10 +95,7 @@ def main(argv=None) -> int:
                 e[key] = statistics.median(vals) if vals else None
             e["peak_rss_max"] = max((x["peak_rss"] for x in ok), default=None)
         payload["shapes"][name] = entry
-    run = runs.stem(payload["date"], WHAT + ("-quick" if args.quick else ""))
-    out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
-    for p in runs.write(out_dir, run, render_report(payload, run), payload):
-        log(f"wrote {p}")
+    runs.finish(payload, WHAT, render_report, sub, args.quick, args.no_doc)
     return 0
 
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from bench import runs
-from bench.common import RUNS, log
+from bench.common import log
 from bench.quant_base_render import MODES, render_report
 from bench.throughput.phases import prepare_data, setup_shape
 from bench.web_vs_native import _weight_bytes, run_one, variant_bundle
@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     data = prepare_data(sub)["lm"]
     payload = {**runs.start(WHAT, "bench.quant_base", argv), "steps": args.steps, "rounds": args.rounds,
                "target_ratio": TARGET_RATIO, "shapes": {}}
-    date = payload["date"]
     for name in args.shapes.split(","):
         log(f"{name}: bundles")
         b = bundles(name, sub, args.quick)
@@ -111,10 +110,7 @@ def main(argv=None) -> int:
             r = payload["lowmem"]
             log("   " + (f"{r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB" if "error" not in r
                          else f"FAILED: {r['error'][-300:]}"))
-    run = runs.stem(date, WHAT + ("-quick" if args.quick else ""))
-    out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
-    for p in runs.write(out_dir, run, render_report(payload, run), payload):
-        log(f"wrote {p}")
+    runs.finish(payload, WHAT, render_report, sub, args.quick, args.no_doc)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import run_child
-from bench.common import RUNS, SHARED, log, tail
+from bench.common import SHARED, log, tail
 from bench.web_vs_native import _weight_bytes
 
 WHAT = "quant-quality"
@@ -97,10 +97,7 @@ def main(argv=None) -> int:
         log(f"   {mode}: mmlu (ort)")
         e["mmlu_ort"] = score("mmlu", e["bundle"], "ort", sub, mmlu_args)
         log(f"      {e['mmlu_ort'].get('micro', e['mmlu_ort'].get('error', '')[-200:])}")
-    run = runs.stem(payload["date"], WHAT)
-    out_dir = sub / "runs" if args.no_doc else RUNS
-    for p in runs.write(out_dir, run, render_report(payload, run), payload):
-        log(f"wrote {p}")
+    runs.finish(payload, WHAT, render_report, sub, no_doc=args.no_doc)
     return 0
 
 

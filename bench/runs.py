@@ -83,6 +83,18 @@ def start(what: str, module: str, argv: list[str] | None) -> dict:
             "command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])}
 
 
+def finish(payload: dict, what: str, render, sub: Path, quick: bool = False, no_doc: bool = False) -> list[Path]:
+    """Write a finished run as <date>-<what>[-quick].{md,json}: into docs/bench/runs/ (RUNS), or for --quick and
+    --no-doc into sub/runs; log and return the paths."""
+    from bench.common import log
+
+    run = stem(payload["date"], what + ("-quick" if quick else ""))
+    out = write(sub / "runs" if (no_doc or quick) else RUNS, run, render(payload, run), payload)
+    for p in out:
+        log(f"wrote {p}")
+    return out
+
+
 def rerender(what: str, render, raw_json: Path | None = None) -> Path:
     """Rewrite a run's report from its JSON (default: the newest `what` in RUNS); render(payload, stem) -> text."""
     raw_json = raw_json or latest(RUNS, what)

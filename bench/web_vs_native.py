@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import THREADS, child_env, run_child, run_command
-from bench.common import LORA, REPO, RUNS, SEQ_LEN, log, tail
+from bench.common import LORA, REPO, SEQ_LEN, log, tail
 from bench.throughput.phases import prepare_data, setup_shape
 from bench.web_vs_native_render import render_report
 
@@ -236,10 +236,7 @@ def main(argv=None) -> int:
     if not args.no_heap:
         log(f"heap: {HEAP_SHAPE}")
         payload["heap"] = heap_probe(sub, data, 1, args.quick)
-    run = runs.stem(payload["date"], WHAT + ("-quick" if args.quick else ""))
-    out_dir = sub / "runs" if (args.no_doc or args.quick) else RUNS
-    for p in runs.write(out_dir, run, render_report(payload, run), payload):
-        log(f"wrote {p}")
+    runs.finish(payload, WHAT, render_report, sub, args.quick, args.no_doc)
     return 0
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
+
+import numpy as np
 
 import pytest
 
+from ort_trainer.tokenizer import turn_end_ids
 from tests.conftest import WEB
 from tests.test_web_parity import finish, node_train, web_bundle
 
@@ -26,8 +30,9 @@ def test_web_generate_matches_python_generate_with_a_web_trained_adapter(family,
     argv = ["generate", "--bundle", str(bundle), "--run", str(run), "--greedy", "--max-new-tokens", "16", "--json"]
     for p in prompts:
         argv += ["--prompt", p]
-    node = subprocess.run(["node", str(WEB / "cli.mjs"), *argv, "--threads", "1"], capture_output=True, text=True,
-                          timeout=600)
+    stats = tmp_path / "stats.json"
+    node = subprocess.run(["node", str(WEB / "cli.mjs"), *argv, "--threads", "1", "--logit-stats", str(stats)],
+                          capture_output=True, text=True, timeout=600)
     assert node.returncode == 0, node.stderr
     web_rows = [json.loads(line) for line in node.stdout.splitlines()]
     import io
@@ -41,3 +46,18 @@ def test_web_generate_matches_python_generate_with_a_web_trained_adapter(family,
     assert [r["token_ids"] for r in web_rows] == [r["token_ids"] for r in py_rows]
     assert [r["text"] for r in web_rows] == [r["text"] for r in py_rows]
     assert any(r["token_ids"] for r in py_rows)
+    # every step's logits (max, sum, sum of squares per row) against the Python decoder on the same adapter
+    from android_runner.chat import open_with_adapter, prompt_ids
+    from ort_trainer.decoder import generate
+    from ort_trainer.sampling import GREEDY
+
+    decoder, tok, _ = open_with_adapter(str(bundle), str(run), None)
+    ours = []
+    generate(decoder, [prompt_ids(tok, p, raw=False) for p in prompts], replace(GREEDY, max_new_tokens=16),
+             turn_end_ids(tok), tok.pad_id, on_logits=lambda x: ours.append(
+                 [[float(r.max()), float(r.astype(np.float64).sum()), float((r.astype(np.float64) ** 2).sum())]
+                  for r in x]))
+    web = json.loads(stats.read_text())
+    assert len(web) == len(ours)
+    for w, o in zip(web, ours):
+        np.testing.assert_allclose(np.asarray(w), np.asarray(o), rtol=1e-4, atol=1e-3)

@@ -511,3 +511,38 @@ def test_download_adapter_loads_in_peft(family, env, browser, tmp_path):
         tuned = model(input_ids=ids).logits
     assert not torch.allclose(plain, tuned), "the adapter changes nothing"
     tab.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_the_chat_panel_answers_like_pocketlora_generate_with_the_same_adapter(family, env, browser, tmp_path):
+    """The page's chat (the bundle's decoder in WASM, the run's latest adapter) gives the same greedy tokens as
+    `pocketlora generate --peft` on the adapter the page's Download button writes."""
+    import contextlib
+    import io
+
+    from pocketlora_cli import main
+
+    server, _ = page_run(env, browser, family)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    browser.send("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads), eventsEnabled=True)
+    tab = browser.tab()
+    tab.open(server.url + query())
+    tab.wait(lambda s: s["state"] == "done", what="the finished run")
+    tab.click("#download")
+    tab.wait(lambda s: s.get("adapter") is not None, what="the adapter")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(list(downloads.iterdir())) < 2:
+        time.sleep(0.1)
+    question = "say red"
+    tab.evaluate(f"pocketloraChat({json.dumps(question)})")
+    st = tab.wait(lambda s: len(s["chat"]["history"]) == 2 or s["chat"]["error"], what="the chat reply")
+    assert st["chat"]["error"] is None and st["chat"]["adapter_step"] == STEPS, st["chat"]
+    page_ids = st["chat"]["history"][1]["token_ids"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["generate", "--bundle", str(env.bundle(family)), "--peft", str(downloads), "--prompt", question,
+                     "--greedy", "--max-new-tokens", "64", "--json"]) == 0
+    python = json.loads(buf.getvalue())
+    assert page_ids == python["token_ids"] and len(page_ids) > 0
+    assert st["chat"]["history"][1]["content"] == python["text"].strip()

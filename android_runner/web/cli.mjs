@@ -51,13 +51,17 @@ function number(name, text, integer) {
   return v;
 }
 
-export function parseTrainArgs(argv) {
-  let values;
+/** argv parsed strictly against `options`; a parse error is a UsageError (one line, exit 2). */
+function flags(argv, options) {
   try {
-    ({ values } = parseArgs({ args: argv, options: TRAIN_FLAGS, strict: true, allowPositionals: false }));
+    return parseArgs({ args: argv, options, strict: true, allowPositionals: false }).values;
   } catch (e) {
     throw new UsageError(e.message);
   }
+}
+
+export function parseTrainArgs(argv) {
+  const values = flags(argv, TRAIN_FLAGS);
   if (values.help) return { help: true };
   for (const req of ['bundle', 'data', 'out']) if (!values[req]) throw new UsageError(`the following arguments are required: --${req}`);
   if (values.epochs !== undefined && values['max-steps'] !== undefined) throw new UsageError('--max-steps: not allowed with argument --epochs');
@@ -146,18 +150,14 @@ const GENERATE_FLAGS = {
   raw: { type: 'boolean' }, 'max-new-tokens': { type: 'string' }, greedy: { type: 'boolean' },
   temperature: { type: 'string' }, 'top-k': { type: 'string' }, 'top-p': { type: 'string' }, seed: { type: 'string' },
   json: { type: 'boolean' }, threads: { type: 'string' },
+  'logit-stats': { type: 'string' },     // tests: per step and row [max, sum, sum of squares] of the logits, as JSON
 };
 const GENERATE_USAGE = 'usage: cli.mjs generate --bundle B [--run R] --prompt TEXT [--prompt TEXT ...] [--raw] ' +
   '[--max-new-tokens 128] [--greedy | --temperature 0.7 --top-k 50 --top-p 0.95 --seed 0] [--json] [--threads N]';
 
 /** The `generate` command: `pocketlora generate` on the bundle's decoder in WASM, with a run's latest adapter. */
 async function generateCommand(argv) {
-  let values;
-  try {
-    ({ values } = parseArgs({ args: argv, options: GENERATE_FLAGS, strict: true, allowPositionals: false }));
-  } catch (e) {
-    throw new UsageError(e.message);
-  }
+  const values = flags(argv, GENERATE_FLAGS);
   if (!values.bundle || !values.prompt) throw new UsageError(GENERATE_USAGE);
   const { Decoder, generate, turnEndIds } = await import('./src/decoder.mjs');
   const { TextTokenizer } = await import('./src/text_source.mjs');
@@ -184,7 +184,15 @@ async function generateCommand(argv) {
     decoder.useAdapter(new Map([...readSafetensors(found.weights).tensors].map(([n, t]) => [n, t.data])));
   }
   const stop = turnEndIds(tok);
-  const outs = await generate(decoder, prompts, sampling, stop, tok.padId ?? 0);
+  const stats = [];
+  const V = bundle.manifest.model.vocab_size;
+  const onLogits = values['logit-stats'] ? (logits) => stats.push(prompts.map((_, b) => {
+    let max = -Infinity, sum = 0, sq = 0;
+    for (const x of logits.subarray(b * V, (b + 1) * V)) { max = Math.max(max, x); sum += x; sq += x * x; }
+    return [max, sum, sq];
+  })) : undefined;
+  const outs = await generate(decoder, prompts, sampling, stop, tok.padId ?? 0, { onLogits });
+  if (values['logit-stats']) fs.writeFileSync(values['logit-stats'], JSON.stringify(stats));
   for (const ids of outs) {
     const text = tok.decode(ids, true);
     console.log(values.json ? JSON.stringify({ token_ids: ids, text }) : text);

@@ -10,9 +10,13 @@
 //
 // #status holds the page's state as JSON for scripts and headless browsers:
 //   {state: idle|loading|training|paused|gate-paused|done|error, step, total_steps, losses, tok_per_s, eta_s,
-//    gate, error, crossOriginIsolated, threads, resumed_from, data, run, adapter}
+//    gate, error, crossOriginIsolated, threads, resumed_from, data, run, adapter,
+//    chat: {busy, adapter_step, history: [{role, content, token_ids?}], tok_per_s, error}}
+//
+// The chat panel runs the bundle's decoder (../decoder.mjs) with the latest checkpoint's LoRA, when not training.
 import * as ort from '/app/node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs';
 import { RunError, interruptibleSleep, train } from '../runner.mjs';
+import { Decoder, generate, turnEndIds } from '../decoder.mjs';
 import { readSafetensors } from '../safetensors.mjs';
 import { TextTokenizer, collate, dataOrder, loadExamples } from '../data/index.mjs';
 import { GateConfig, GateState, GateTracker, SafeProbe, makeProbe } from '../gate/index.mjs';
@@ -28,8 +32,9 @@ const $ = (sel) => document.querySelector(sel);
 const status = {
   state: 'loading', step: 0, total_steps: null, losses: [], tok_per_s: null, eta_s: null, gate: null, error: null,
   crossOriginIsolated: globalThis.crossOriginIsolated === true, threads: null, resumed_from: null,
-  data: null, run: null, adapter: null,
+  data: null, run: null, adapter: null, chat: { busy: false, adapter_step: null, history: [], tok_per_s: null, error: null },
 };
+let decoder = null;             // opened on the first chat message
 
 let bundle = null, form = null, url = null;
 let tokenizer = null;
@@ -67,6 +72,10 @@ function publish() {
   $('#download').disabled = !(run && status.step > 0);
   $('#discard').disabled = busy || !run?.saved;
   $('#file').disabled = busy;
+  const chatOff = busy || status.chat.busy || !bundle;
+  $('#chat-input').disabled = chatOff;
+  $('#chat-send').disabled = chatOff;
+  $('#chat-reset').disabled = chatOff || !status.chat.history.length;
 }
 
 function setState(state, error = null) {
@@ -274,6 +283,50 @@ async function download() {
   publish();
 }
 
+// -- the chat -------------------------------------------------------------------------------------------------
+async function chatSend(text) {
+  const chat = status.chat;
+  if (busy || chat.busy || !text.trim()) return;
+  chat.busy = true;
+  chat.error = null;
+  publish();
+  const out = $('#chat-log');
+  try {
+    tokenizer ??= TextTokenizer.fromFiles(await bundle.tokenizerFiles(), { dir: '/bundle/tokenizer' });
+    decoder ??= await Decoder.open(ort, bundle);
+    const found = run ? await run.store.latest(log) : null;
+    const tensors = found ? readSafetensors(found.weights).tensors : null;
+    decoder.useAdapter(tensors ? new Map([...tensors].map(([n, t]) => [n, t.data])) : null);
+    chat.adapter_step = found ? found.state.step : null;
+    chat.history.push({ role: 'user', content: text });
+    out.textContent += `you: ${text}\nmodel${found ? ` (step ${found.state.step})` : ' (base)'}: `;
+    const ids = [];
+    let shown = '';
+    const t0 = performance.now();
+    await generate(decoder, [tokenizer.generationPromptIds(chat.history)], { maxNewTokens: 64, temperature: 0 },
+      turnEndIds(tokenizer), tokenizer.padId ?? 0, { onToken: (_b, id) => {
+        ids.push(id);
+        const text = tokenizer.decode(ids, true);
+        if (!text.endsWith('\ufffd')) { out.textContent += text.slice(shown.length); shown = text; }
+      } });
+    const reply = tokenizer.decode(ids, true);
+    out.textContent += reply.slice(shown.length) + '\n';
+    chat.tok_per_s = Math.round((ids.length / ((performance.now() - t0) / 1000)) * 10) / 10;
+    chat.history.push({ role: 'assistant', content: reply.trim(), token_ids: ids });
+  } catch (e) {
+    chat.error = e?.message ?? String(e);
+    log(`chat: ${chat.error}`);
+  }
+  chat.busy = false;
+  publish();
+}
+
+function chatReset() {
+  status.chat.history = [];
+  $('#chat-log').textContent = '';
+  publish();
+}
+
 // -- start-up -------------------------------------------------------------------------------------------------
 async function main() {
   form = settingsForm($('#settings'));
@@ -283,6 +336,11 @@ async function main() {
   $('#pause').addEventListener('click', pause);
   $('#download').addEventListener('click', download);
   $('#discard').addEventListener('click', discard);
+  const send = () => { const t = $('#chat-input').value; $('#chat-input').value = ''; chatSend(t); };
+  $('#chat-send').addEventListener('click', send);
+  $('#chat-input').addEventListener('keydown', (e) => { if (e.key === 'Enter') send(); });
+  $('#chat-reset').addEventListener('click', chatReset);
+  globalThis.pocketloraChat = chatSend;         // for scripts and headless tests
   publish();
   try {
     if (!isSecureContext) {
