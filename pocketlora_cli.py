@@ -290,12 +290,19 @@ def _eval_parity(args) -> None:
     from eval.verbs import print_parity
     from eval.parity import ParityConfig, run_parity
 
+    if args.lockstep:
+        from eval.lockstep import print_lockstep, run_lockstep
+
+        print_lockstep(run_lockstep(ParityConfig(**from_args(args), bundle=args.bundle, data=args.data, out=args.out,
+                                                 steps=args.steps, threads=args.threads),
+                                    float64_every=args.float64_every), args.out)
+        return
     report = run_parity(ParityConfig(
         **from_args(args), bundle=args.bundle, data=args.data, out=args.out, steps=args.steps,
         heldout=args.heldout, ppl_seq_len=args.seq_len, ppl_stride=args.stride,
         heldout_max_tokens=args.max_tokens, mmlu_data=args.mmlu_data, mmlu_subjects=args.mmlu_subjects,
         mmlu_limit=args.mmlu_limit, mmlu_split=args.mmlu_split, shots=args.shots, threads=args.threads,
-        isolate=not args.in_process, force=args.force,
+        isolate=not args.in_process, force=args.force, floor=args.floor,
     ))
     print_parity(report, args.out)
 
@@ -370,6 +377,15 @@ def _add_eval(sub) -> None:
                    help="train both sides in this process instead of one subprocess each (faster start; peak RSS "
                         "is then not per side)")
     q.add_argument("--force", action="store_true", help="replace ort_run/ and torch_run/ left in --out")
+    q.add_argument("--floor", action="store_true",
+                   help="also train ORT with the same steps split into other micro-batches: the loss-curve check "
+                        "then passes when ORT vs PyTorch drifts <= 1.5x as far as ORT from itself")
+    q.add_argument("--lockstep", action="store_true",
+                   help="instead: compare each step from the same adapter and optimizer state (loss, gradients, "
+                        "update; eval/lockstep.py), writing OUT/lockstep.md")
+    q.add_argument("--float64-every", type=int, default=0, metavar="N",
+                   help="with --lockstep: also run step 1 and every Nth step in float64 PyTorch, to show each "
+                        "side's own float32 error (default 0: off)")
     q.set_defaults(func=_eval_parity)
 
 

@@ -38,7 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,7 @@ from .scoring import mmlu_eval, mmlu_summary, perplexity
 
 REPO = Path(__file__).resolve().parents[1]
 ORT_RUN = "ort_run"
+ORT_FLOOR_RUN = "ort_floor_run"     # --floor: ORT again, the same steps split differently
 TORCH_RUN = "torch_run"
 TORCH_RESULT = "result.json"
 ADAPTER = "adapter"
@@ -83,6 +84,7 @@ class ParityConfig(TrainSettings):
     threads: int = 0                      # ORT intra-op threads and torch threads (0: each library's default)
     isolate: bool = True                  # each side in its own subprocess (False: both in this process)
     force: bool = False                   # replace an existing ort_run / torch_run in out
+    floor: bool = False                   # also train ORT with another micro-batch split: the noise floor
 
     def validate(self) -> None:
         super().validate()
@@ -103,6 +105,43 @@ class ParityConfig(TrainSettings):
         return ParityConfig(**d)
 
 
+def floor_split(micro_batch: int, accum: int) -> tuple[int, int]:
+    """Another (micro-batch, accum) with the same examples per step, for the noise floor: micro-batches halved
+    (or, with an odd micro-batch, doubled)."""
+    if micro_batch % 2 == 0:
+        return micro_batch // 2, accum * 2
+    if accum % 2 == 0:
+        return micro_batch * 2, accum // 2
+    if micro_batch * accum > 1:
+        return (1, micro_batch * accum) if micro_batch > 1 else (accum, 1)
+    raise ValueError("--floor needs more than one sequence per step (micro-batch x accum > 1): the floor is the same "
+                     "step split into other micro-batches")
+
+
+def floor_config(cfg: "ParityConfig") -> "ParityConfig":
+    m, a = floor_split(cfg.micro_batch, cfg.accum)
+    return replace(cfg, micro_batch=m, accum=a)
+
+
+def check_same_steps(bundle: Bundle, cfg: "ParityConfig") -> None:
+    """The floor compares the same math: every step must hold the same sequences under both splits (length
+    grouping regroups them, and an epoch's dropped remainder depends on the micro-batch)."""
+    if cfg.group_by_length:
+        raise ValueError("--floor with --group-by-length: the two splits would group other sequences into each step")
+
+    def rows(steps):
+        return [sorted(tuple(int(t) for t, m in zip(r, mr) if m) for mb in st
+                       for r, mr in zip(mb["input_ids"], mb["attention_mask"])) for st in steps]
+
+    a, b = rows(parity_steps(bundle, cfg.data, cfg.steps, cfg)), rows(parity_steps(bundle, cfg.data, cfg.steps,
+                                                                                  floor_config(cfg)))
+    if a != b:
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) + 1
+        raise ValueError(f"--floor: from step {k} the {cfg.micro_batch}x{cfg.accum} and "
+                         f"{'x'.join(map(str, floor_split(cfg.micro_batch, cfg.accum)))} splits take different "
+                         "sequences (an epoch ends with a partial micro-batch); use more data or fewer --steps")
+
+
 def parity_steps(bundle: Bundle, data: str | Path, steps: int, settings: TrainSettings) -> list[list[dict[str, np.ndarray]]]:
     """The micro-batches of each optimizer step, exactly as android_runner.loop builds them."""
     tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
@@ -114,12 +153,19 @@ def parity_steps(bundle: Bundle, data: str | Path, steps: int, settings: TrainSe
 # --------------------------------------------------------------------------------------------
 # The two training sides (each run in its own subprocess by run_parity)
 # --------------------------------------------------------------------------------------------
-def ort_side(cfg: ParityConfig, log=print) -> dict:
+def ort_side(cfg: ParityConfig, log=print, run: str = ORT_RUN) -> dict:
     from android_runner.loop import RunConfig, train
 
     rc = RunConfig(**asdict(cfg.train_settings()), bundle=cfg.bundle, data=cfg.data, max_steps=cfg.steps,
                    save_every=cfg.steps, battery="none", threads=cfg.threads)
-    return train(rc, Path(cfg.out) / ORT_RUN, log=log, progress=False)
+    return train(rc, Path(cfg.out) / run, log=log, progress=False)
+
+
+def ort_floor_side(cfg: ParityConfig, log=print) -> dict:
+    return ort_side(floor_config(cfg), log, ORT_FLOOR_RUN)
+
+
+
 
 
 def torch_side(cfg: ParityConfig, log=print) -> dict:
@@ -186,7 +232,7 @@ def _run_in_process(side: str, cfg: ParityConfig, log_path: Path, log) -> float:
             def to_file(msg):
                 print(msg, file=f, flush=True)
 
-            (ort_side if side == "ort" else torch_side)(cfg, to_file)
+            _side_fn(side)(cfg, to_file)
         _write_rss(cfg, side)
     finally:
         for sig, handler in saved.items():          # the device loop installs its own SIGINT/SIGTERM handlers
@@ -194,6 +240,10 @@ def _run_in_process(side: str, cfg: ParityConfig, log_path: Path, log) -> float:
     wall = time.perf_counter() - t0
     log(f"      done in {wall:.1f} s (in this process; log: {log_path})")
     return wall
+
+
+def _side_fn(side: str):
+    return {"ort": ort_side, "torch": torch_side, "ort_floor": ort_floor_side}[side]
 
 
 def _run_worker(side: str, config_path: Path, log_path: Path, log) -> float:
@@ -418,13 +468,15 @@ def _prepare(cfg: ParityConfig) -> Bundle:
     """OUT made (and earlier runs' sides removed with cfg.force), the bundle opened, OUT/parity_config.json written."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    for sub in (ORT_RUN, TORCH_RUN):
+    for sub in (ORT_RUN, TORCH_RUN, ORT_FLOOR_RUN):
         if (out / sub).exists():
             if not cfg.force:
                 raise FileExistsError(f"{out / sub} exists from an earlier parity run; pass --force to replace it "
                                       "or choose another --out")
             shutil.rmtree(out / sub)
     bundle = open_bundle(cfg.bundle)            # full hash check once; the workers check sizes
+    if cfg.floor:
+        check_same_steps(bundle, cfg)
     (out / CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     return bundle
 
@@ -439,14 +491,25 @@ def run_parity(cfg: ParityConfig, log=print) -> dict:
     walls["ort"] = _run_side("ort", cfg, log)
     log(f"[2/4] PyTorch + PEFT reference, same batches and settings -> {out / TORCH_RUN}")
     walls["torch"] = _run_side("torch", cfg, log)
+    floor = None
+    if cfg.floor:
+        m, a = floor_split(cfg.micro_batch, cfg.accum)
+        log(f"[2b/4] the noise floor: ORT again, the same steps as {a} x {m} -> {out / ORT_FLOOR_RUN}")
+        walls["ort_floor"] = _run_side("ort_floor", cfg, log)
     sides = read_sides(cfg, bundle.manifest, log)
+    if cfg.floor:
+        second = [float(r["loss"]) for r in read_metrics(out / ORT_FLOOR_RUN)]
+        if len(second) != cfg.steps:
+            raise ParityError(f"the floor's ORT run logged {len(second)} of {cfg.steps} steps")
+        floor = {"split": f"{m}x{a}", "rel_diff": [float(x) for x in rel_diffs(second, sides.ort_losses)]}
 
     log("[3/4] evaluation: base / ORT-trained / PyTorch-trained weights through ORT and PyTorch")
     ev = evaluate(cfg, bundle, sides.ort_lora, sides.torch_lora, log=log)
     rel = rel_diffs(sides.ort_losses, sides.torch_losses)
-    checks, notes = parity_checks(rel, ev, bundle.manifest.lora.dropout)
+    checks, notes = parity_checks(rel, ev, bundle.manifest.lora.dropout, floor)
     perf, perf_notes = _perf(cfg, sides, walls, ev)
     report = _report(cfg, bundle, sides, rel, ev, checks, perf, notes + perf_notes)
+    report["loss"]["floor"] = floor
 
     log("[4/4] report")
     paths = write_report(report, out)
@@ -459,7 +522,7 @@ def run_parity(cfg: ParityConfig, log=print) -> dict:
 # --------------------------------------------------------------------------------------------
 def _worker_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.parity")
-    ap.add_argument("--worker", choices=["ort", "torch"], required=True)
+    ap.add_argument("--worker", choices=["ort", "torch", "ort_floor"], required=True)
     ap.add_argument("config")
     args = ap.parse_args(argv)
     cfg = ParityConfig(**json.loads(Path(args.config).read_text()))
@@ -467,10 +530,7 @@ def _worker_main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    if args.worker == "ort":
-        ort_side(cfg, log)
-    else:
-        torch_side(cfg, log)
+    _side_fn(args.worker)(cfg, log)
     _write_rss(cfg, args.worker)
     return 0
 

@@ -131,7 +131,8 @@ def shifted_nll_sum(model, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, 
     labels = torch.from_numpy(np.ascontiguousarray(batch["labels"], dtype=np.int64)).to(dev)
     if ids.ndim != 2 or mask.shape != ids.shape or labels.shape != ids.shape:
         raise ValueError("input_ids, attention_mask and labels must all be [B, S]")
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))    # half -> float32; float64 stays
     shift_labels = labels[:, 1:].reshape(-1)
     nll = F.cross_entropy(logits[:, :-1, :].reshape(-1, logits.shape[-1]), shift_labels,
                           reduction="sum", ignore_index=IGNORE_INDEX)

@@ -108,8 +108,12 @@ def plot_rel_diff(report: dict, path: Path) -> Path:
     thr = report["thresholds"]["loss_max_rel"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     vals = [max(v, 1e-12) for v in loss["rel_diff"]]
-    ax.semilogy(loss["steps"], vals, marker=".", lw=1)
-    ax.axhline(thr, color="red", ls=":", label=f"threshold {thr:g}")
+    ax.semilogy(loss["steps"], vals, marker=".", lw=1, label="ORT vs PyTorch")
+    if loss.get("floor"):
+        ax.semilogy(loss["steps"], [max(v, 1e-12) for v in loss["floor"]["rel_diff"]], marker=".", lw=1,
+                    label=f"noise floor: ORT {loss['floor']['split']} vs ORT (same math)")
+    else:
+        ax.axhline(thr, color="red", ls=":", label=f"threshold {thr:g}")
     return save_line_plot(plt, fig, ax, path, "Loss relative difference per step", "|L_ort - L_torch| / |L_torch|",
                           grid_which="both")
 
@@ -235,7 +239,11 @@ def render_markdown(report: dict, images: dict[str, str]) -> str:
         "## Loss curves",
         "",
         f"Max relative difference {_fmt(loss['max_rel_diff'])}, mean {_fmt(loss['mean_rel_diff'])}; "
-        f"final loss ORT {_fmt(loss['ort'][-1], 7)}, PyTorch {_fmt(loss['torch'][-1], 7)}.",
+        f"final loss ORT {_fmt(loss['ort'][-1], 7)}, PyTorch {_fmt(loss['torch'][-1], 7)}." + (
+            f" The noise floor (ORT again with the same steps split {loss['floor']['split']}): max "
+            f"{_fmt(max(loss['floor']['rel_diff']))}, mean "
+            f"{_fmt(sum(loss['floor']['rel_diff']) / len(loss['floor']['rel_diff']))}."
+            if loss.get("floor") else ""),
         "",
         f"![loss curves]({images['loss']})",
         "",
