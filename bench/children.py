@@ -70,6 +70,14 @@ class ChildResult:
     def peak_rss(self) -> int:
         return max(self.maxrss, self.samples.get("VmRSS", 0))
 
+    def failure(self) -> str:
+        """Why it failed: how it ended (an exit code, or the signal that killed it) and the end of its log."""
+        if self.code < 0:
+            how = f"killed by {signal.Signals(-self.code).name}"
+        else:
+            how = f"exit {self.code}" + ("" if self.code else ", no result line")
+        return f"{how}; log: {tail(self.log_path)}"
+
 
 def child_env(threads: int = THREADS) -> dict:
     env = dict(os.environ)

@@ -8,6 +8,16 @@ threads, ROUNDS rounds alternating. Reported per side: decode tok/s (the median 
 transformers), prefill tok/s and time to first token, peak RSS (VmHWM), load time, and for ours the adapter
 switch time and the decoder graph's size beside the bundle's weights.
 
+The anchor: the real Gemma3-270M, its default bundle (`--quant keep`, the GGUF's own blocks) against llama.cpp
+(llama-cpp-python, built from source: `pip install llama-cpp-python`) on the same GGUF file, and transformers on its
+dequantized weights; llama.cpp runs without an adapter (ours and transformers carry a live LoRA). On a CPU with AMX
+(Sapphire Rapids and later) the default native build repacks the weights for ggml's AMX backend, which segfaults in
+its first matmul (llama.cpp issue 20824; here on Intel Xeon 6-167-1); build without it:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF" pip install --no-cache-dir -e ".[llama]"
+
     python -m bench.decode [--shapes gemma3-270m,qwen2.5-0.5b] [--rounds 3] [--new 128] [--prompt-len 128]
                            [--quick] [--no-doc]
     python -m bench.decode --rerender [--run JSON]
@@ -24,8 +34,8 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import THREADS, run_child
-from bench.common import log, tail
-from bench.decode_render import SIDES, render_report
+from bench.common import log
+from bench.decode_render import REAL, REAL_SIDES, SIDES, render_report
 from bench.throughput.phases import setup_shape
 from bench.web_vs_native import _weight_bytes, variant_bundle
 
@@ -46,12 +56,29 @@ def _bundles(name: str, sub: Path, quick: bool) -> dict:
             "ours-int4": str(variant_bundle(name, sub, "int4", ["--quant", "int4"]))}
 
 
+def _real_bundle(sub: Path) -> dict:
+    """The real Gemma3-270M: its GGUF, and the default bundle of it (`gen`, --quant keep), cached in the workdir."""
+    from artifacts_gen.source import EMBEDDED_DEFAULT, resolve_embedded
+
+    directory, name = resolve_embedded(EMBEDDED_DEFAULT)
+    out = sub / "gemma3-270m-real-bundle"
+    if not (out / "manifest.json").is_file() or '"decoder"' not in (out / "manifest.json").read_text():
+        c = run_child(["pocketlora_cli", "gen", "--model", EMBEDDED_DEFAULT, "--out", str(out), "--force",
+                       "--lora-r", "8", "--lora-alpha", "16", "--targets", "attn", "--seq-len", "128"],
+                      sub / "gemma3-270m-real-gen.log", TIMEOUT_S)
+        if c.code != 0:
+            return {"error": c.failure()}
+    return {"ckpt": str(directory), "gguf_file": name, "gguf": str(Path(directory) / name), "ours-keep": str(out),
+            "bundle": str(out)}
+
+
 def _run(side: str, b: dict, spec: dict, log_path: Path) -> dict:
-    kind = "torch" if side == "torch" else "ours"
-    spec = {**spec, "bundle": b["ours-fp32"] if side == "torch" else b[side], "ckpt": b["ckpt"]}
+    kind = "torch" if side == "torch" else "llama" if side == "llama.cpp" else "ours"
+    spec = {**spec, "bundle": b.get("bundle", b.get("ours-fp32")) if kind != "ours" else b[side], "ckpt": b["ckpt"],
+            "gguf_file": b.get("gguf_file"), "gguf": b.get("gguf")}
     c = run_child(["bench.decode_worker", kind, json.dumps(spec)], log_path, TIMEOUT_S)
     if not c.ok:
-        return {"error": tail(c.log_path)}
+        return {"error": c.failure()}
     return {**c.result, "peak_rss": c.peak_rss()}
 
 
@@ -62,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128, help="new tokens per run (default 128)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 round, 16 tokens: a smoke test")
+    ap.add_argument("--no-anchor", action="store_true", help="skip the real Gemma3-270M GGUF against llama.cpp")
     args = runs.parse(ap, argv, WHAT, render_report)
     if args is None:
         return 0
@@ -72,17 +100,19 @@ def main(argv=None) -> int:
     payload = {**runs.start(WHAT, "bench.decode", argv), "rounds": args.rounds, "new": args.new,
                "prompt_len": args.prompt_len, "threads": THREADS, "target_ratio": TARGET_RATIO, "shapes": {}}
     spec = {"new": args.new, "prompt_len": args.prompt_len, "threads": THREADS}
-    for name in args.shapes.split(","):
+    shapes = [s for s in args.shapes.split(",") if s] + ([] if args.quick or args.no_anchor else [REAL])
+    for name in shapes:
         log(f"{name}: bundles")
-        b = _bundles(name, sub, args.quick)
+        b = _real_bundle(sub) if name == REAL else _bundles(name, sub, args.quick)
         if "error" in b:
             payload["shapes"][name] = b
             continue
-        fp32 = Path(b["ours-fp32"])
-        entry = {"weight_bytes": _weight_bytes(fp32), "decoder_bytes": (fp32 / "decoder_model.onnx").stat().st_size,
-                 "sides": {s: {"runs": []} for s in SIDES}}
+        ours = Path(b["bundle"] if name == REAL else b["ours-fp32"])
+        sides = REAL_SIDES if name == REAL else SIDES
+        entry = {"weight_bytes": _weight_bytes(ours), "decoder_bytes": (ours / "decoder_model.onnx").stat().st_size,
+                 "sides": {s: {"runs": []} for s in sides}}
         for r in range(args.rounds):
-            for side in SIDES:
+            for side in sides:
                 rec = _run(side, b, spec, sub / f"{name}-{side}-r{r}.log")
                 entry["sides"][side]["runs"].append(rec)
                 log(f"   {name} {side} round {r + 1}: " + (

@@ -1,7 +1,8 @@
-"""One measured generation process of bench/decode.py: ours (the bundle's decoder, onnxruntime) or torch
-(transformers generate() with the PEFT-wrapped model, its default SDPA attention and DynamicCache).
+"""One measured generation process of bench/decode.py: ours (the bundle's decoder, onnxruntime), torch
+(transformers generate() with the PEFT-wrapped model, its default SDPA attention and DynamicCache) or llama
+(llama.cpp through llama-cpp-python, on a GGUF).
 
-    python -m bench.decode_worker ours|torch SPEC_JSON      prints one BENCH_RESULT line (bench/children.emit)
+    python -m bench.decode_worker ours|torch|llama SPEC_JSON      prints one BENCH_RESULT line (bench/children.emit)
 
 Both greedy-decode the same random prompt with the same random LoRA (B non-zero: the adapter is live, not merged).
 ttft: the prefill and the first token; decode tok/s: the new tokens after the first over the time after it."""
@@ -29,7 +30,7 @@ def ours(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     bundle = open_bundle(spec["bundle"], verify="none")
-    decoder = Decoder(bundle, RuntimeOptions(threads=spec["threads"]))
+    decoder = Decoder(bundle, RuntimeOptions(threads=spec["threads"], memory=spec.get("memory", "normal")))
     load_s = time.perf_counter() - t0
     lora = _lora(bundle.manifest)
     switches = []
@@ -52,6 +53,24 @@ def _timings(load_s, t_start, stamps, new, spec, **extra) -> dict:
             "decode_tok_s": (len(stamps) - 1) / decode if decode > 0 else None, "new_tokens": new, **extra}
 
 
+def llama(spec: dict) -> dict:
+    """llama.cpp (llama-cpp-python) on the GGUF itself: its own Q4_K_M kernels, no adapter."""
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                n_ctx=spec["prompt_len"] + spec["new"] + 8, n_batch=spec["prompt_len"], verbose=False)
+    load_s = time.perf_counter() - t0
+    prompt = np.random.default_rng(1).integers(0, llm.n_vocab(), spec["prompt_len"]).tolist()
+    stamps: list[float] = []
+    t_start = time.perf_counter()
+    for _tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == spec["new"]:
+            break
+    return _timings(load_s, t_start, stamps, len(stamps), spec)
+
+
 def torch_side(spec: dict) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -62,7 +81,9 @@ def torch_side(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
     manifest = Manifest.load(spec["bundle"])
-    base = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(spec["ckpt"], dtype=torch.float32,
+                                                **({"gguf_file": spec["gguf_file"]} if spec.get("gguf_file") else {}))
+    base = base.eval()
     lora = manifest.lora
     model = get_peft_model(base, LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules,
                                             fan_in_fan_out=lora.fan_in_fan_out)).eval()
@@ -91,7 +112,7 @@ def torch_side(spec: dict) -> dict:
 
 def main() -> None:
     kind, spec = sys.argv[1], json.loads(sys.argv[2])
-    emit({"ours": ours, "torch": torch_side}[kind](spec))
+    emit({"ours": ours, "torch": torch_side, "llama": llama}[kind](spec))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import run_child
-from bench.common import SHARED, log, tail
+from bench.common import SHARED, log
 from bench.web_vs_native import _weight_bytes
 
 WHAT = "quant-quality"
@@ -44,7 +44,7 @@ def gen(mode: str, sub: Path) -> dict:
         c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", "--quant", mode,
                        "--seq-len", "128"], sub / f"gen-{mode}.log", TIMEOUT_S)
         if c.code != 0:
-            return {"error": tail(c.log_path)}
+            return {"error": c.failure()}
         return {"bundle": str(out), "gen_s": round(c.wall, 1), "gen_peak_rss": c.peak_rss(),
                 "weight_bytes": _weight_bytes(out)}
     return {"bundle": str(out), "weight_bytes": _weight_bytes(out)}
@@ -56,7 +56,7 @@ def score(verb: str, bundle: str, backend: str, sub: Path, extra: list[str]) -> 
     c = run_child(["pocketlora_cli", "eval", verb, "--bundle", bundle, "--backend", backend, "--threads", "2",
                    "--out", str(out), *extra], sub / f"{tag}.log", TIMEOUT_S)
     if c.code != 0 or not out.is_file():
-        return {"error": tail(c.log_path)}
+        return {"error": c.failure()}
     r = json.loads(out.read_text())
     r["peak_rss"] = c.peak_rss()
     return r
