@@ -384,8 +384,8 @@ def _add_eval(sub) -> None:
                    help="instead: compare each step from the same adapter and optimizer state (loss, gradients, "
                         "update; eval/lockstep.py), writing OUT/lockstep.md")
     q.add_argument("--float64-every", type=int, default=0, metavar="N",
-                   help="with --lockstep: also run step 1 and every Nth step in float64 PyTorch, to show each "
-                        "side's own float32 error (default 0: off)")
+                   help="with --lockstep: also run step 1, every Nth step and every outlier step in float64 "
+                        "PyTorch, to show each side's own float32 error (default 0: off)")
     q.set_defaults(func=_eval_parity)
 
 
