@@ -17,7 +17,7 @@ from .ort_training import CheckpointState, Module, Optimizer
 
 from . import manifest as mf
 from .bundle import Bundle, blame_damage
-from .optimizer_graph import AdamWSpec, write_adamw
+from .optimizer_graph import AdamWSpec, is_order_dependent, write_adamw
 
 MEMORY_MODES = ("normal", "low")
 
@@ -92,10 +92,11 @@ class TrainSession:
             self.module = Module(str(bundle.file(mf.TRAINING_MODEL)), self.state, None, "cpu",
                                  options.session_options(training=True))
         optimizer_path = bundle.file(mf.OPTIMIZER_MODEL)
-        if adamw is not None and adamw.to_dict() != bundle.manifest.optimizer:
-            # The run asks for other hyperparameters than the bundle baked in: build its own graph.
+        if (adamw is not None and adamw.to_dict() != bundle.manifest.optimizer) or is_order_dependent(optimizer_path):
+            # The run asks for other hyperparameters than the bundle baked in, or the bundle's graph clips in a
+            # process-dependent order (built before 2026-12-06): build the run's own graph.
             optimizer_path = Path(work_dir or bundle.path) / "optimizer_model.run.onnx"
-            write_adamw(optimizer_path, adamw)
+            write_adamw(optimizer_path, adamw or AdamWSpec(**bundle.manifest.optimizer))
         self.adamw = adamw or AdamWSpec(**bundle.manifest.optimizer)
         with blame_damage(bundle):
             self.optimizer = Optimizer(str(optimizer_path), self.module)

@@ -148,3 +148,21 @@ def with_dequantized_base(model, bundle):
         for key, w in dequantized_here(bundle).items():
             params[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
     return model
+
+
+def optimizer_with_outputs(spec) -> onnx.ModelProto:
+    """The device's optimizer graph (ort_trainer.optimizer_graph) with AdamWOptimizer's optional outputs exposed."""
+    from ort_trainer.optimizer_graph import build_adamw
+
+    return with_outputs(build_adamw(spec))
+
+
+def with_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """An optimizer graph with AdamWOptimizer's optional outputs (the updated params and moments) as graph outputs,
+    to run as an InferenceSession."""
+    adam = next(n for n in model.graph.node if n.op_type == "AdamWOptimizer")
+    seq = onnx.helper.make_sequence_type_proto(onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
+    for name in ("new_params", "new_m", "new_v"):
+        adam.output.append(name)
+        model.graph.output.append(onnx.helper.make_value_info(name, seq))
+    return model

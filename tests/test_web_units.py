@@ -7,7 +7,6 @@ import json
 import subprocess
 
 import numpy as np
-import onnx
 import pytest
 
 from tests.conftest import WEB
@@ -40,24 +39,14 @@ console.log(JSON.stringify(input.map(([s, lr, w, t, sch]) => lrAt(s, lr, w, t, s
     assert max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(got, want)) < 1e-15
 
 
-def _optimizer_with_outputs(clip, weight_decay):
-    """The device's optimizer graph with AdamWOptimizer's optional outputs (updated params and moments) exposed."""
-    from ort_trainer.optimizer_graph import AdamWSpec, build_adamw
-
-    model = build_adamw(AdamWSpec(clip=clip, weight_decay=weight_decay))
-    adam = next(n for n in model.graph.node if n.op_type == "AdamWOptimizer")
-    seq = onnx.helper.make_sequence_type_proto(onnx.helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, None))
-    for name in ("new_params", "new_m", "new_v"):
-        adam.output.append(name)
-        model.graph.output.append(onnx.helper.make_value_info(name, seq))
-    return model
-
-
 @pytest.mark.parametrize("clip,weight_decay", [(0.5, 0.01), (None, 0.0), (100.0, 0.1)])
 def test_adamw_matches_ort_kernels(node_web, clip, weight_decay):
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(_optimizer_with_outputs(clip, weight_decay).SerializeToString(),
+    from ort_trainer.optimizer_graph import AdamWSpec
+    from tests.bundle_helpers import optimizer_with_outputs
+
+    sess = ort.InferenceSession(optimizer_with_outputs(AdamWSpec(clip=clip, weight_decay=weight_decay)).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     shapes = [(64, 4), (4, 192), (3,), (17, 5)]

@@ -1,5 +1,5 @@
 // Global-norm clipping and AdamW with ORT's kernels' float32 arithmetic (onnxruntime 1.19,
-// orttraining/training_ops/cpu/optimizer: InplaceClipGradNorm, AdamWOptimizer adam_mode 0 = PyTorch's
+// orttraining/training_ops/cpu/optimizer: AdamWOptimizer adam_mode 0 = PyTorch's
 // AdamW: bias correction on m and v, decoupled weight decay before the update). Every float32 operation of
 // the C++ kernels is one Math.fround here (Float32Array stores round too), in the kernels' order.
 const f = Math.fround;
@@ -9,19 +9,22 @@ export function adamwSpec({ beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay
   return { alpha: f(beta1), beta: f(beta2), epsilon: f(eps), weightDecay: f(weight_decay), maxNorm: clip ? f(clip) : null };
 }
 
-/** L2 norm of all gradients: per tensor a sum of squares, summed in float32 (ORT's GetL2Norm). The per-tensor
- * sum is exact-then-rounded here where ORT's Eigen reduction rounds as it goes: the last bit may differ. */
+/** L2 norm of all gradients as the device's optimizer graph computes it (ort_trainer/optimizer_graph.py): per
+ * tensor a sum of squares, then those sums in ascending order, added in float32, so the order of the tensors does
+ * not matter. The sums are exact-then-rounded here where ORT's reductions round as they go: the last bit may
+ * differ. */
 export function globalNorm(grads) {
-  let total = 0;
-  for (const g of grads) {
+  const sums = Float32Array.from(grads, (g) => {
     let s = 0;
     for (let i = 0; i < g.length; i++) s += g[i] * g[i];
-    total = f(total + f(s));
-  }
+    return s;
+  }).sort();
+  let total = 0;
+  for (const s of sums) total = f(total + s);
   return f(Math.sqrt(total));
 }
 
-/** InplaceClipGradNorm: grads *= min(max_norm / (norm + 1e-6), 1), in place. Returns the pre-clip norm. */
+/** Global-norm clipping: grads *= min(max_norm / (norm + 1e-6), 1), in place. Returns the pre-clip norm. */
 export function clipGradNorm(grads, maxNorm) {
   const norm = globalNorm(grads);
   const coef = Math.min(f(maxNorm / f(norm + f(1e-6))), 1.0);
