@@ -8,8 +8,9 @@ parameters, so the device can rebuild it when a run asks for a different clip or
 
 Clipping is torch.nn.utils.clip_grad_norm_'s rule, g *= min(max_norm / (||g|| + 1e-6), 1), built here
 rather than with ORT's InplaceClipGradNorm. That kernel adds the tensors' sums of squares in the order of
-the parameter sequence, and ORT fills that sequence from a hash map while loading the checkpoint, so its
-order changes from process to process: the same step from the same state gave clip coefficients
+the parameter sequence, which ORT builds by iterating an unordered map of the parameters
+(orttraining/training_api/optimizer.cc, Optimizer::ConstructInputs), and that order changed from process to
+process here: the same step from the same state gave clip coefficients
 0.28642457 or 0.28642455 (Gemma3-270M, 144 LoRA tensors), and a resumed run (a new process) was not
 bitwise the run it continues. Here the per-tensor sums are sorted (TopK, ascending) before they are
 added, so the norm does not depend on the order.
