@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,14 +93,16 @@ class TrainSession:
             self.module = Module(str(bundle.file(mf.TRAINING_MODEL)), self.state, None, "cpu",
                                  options.session_options(training=True))
         optimizer_path = bundle.file(mf.OPTIMIZER_MODEL)
-        if (adamw is not None and adamw.to_dict() != bundle.manifest.optimizer) or is_order_dependent(optimizer_path):
-            # The run asks for other hyperparameters than the bundle baked in, or the bundle's graph clips in a
-            # process-dependent order (built before 2026-12-06): build the run's own graph.
-            optimizer_path = Path(work_dir or bundle.path) / "optimizer_model.run.onnx"
-            write_adamw(optimizer_path, adamw or AdamWSpec(**bundle.manifest.optimizer))
         self.adamw = adamw or AdamWSpec(**bundle.manifest.optimizer)
-        with blame_damage(bundle):
-            self.optimizer = Optimizer(str(optimizer_path), self.module)
+        with tempfile.TemporaryDirectory(prefix="pocketlora-optimizer-") as scratch:
+            if self.adamw.to_dict() != bundle.manifest.optimizer or is_order_dependent(optimizer_path):
+                # The run asks for other hyperparameters than the bundle baked in, or the bundle's graph clips in
+                # a process-dependent order (built before 2026-12-06): build the run's own graph (in the run's
+                # directory, else a scratch one: never into the bundle, which may be read-only or shared).
+                optimizer_path = Path(work_dir or scratch) / "optimizer_model.run.onnx"
+                write_adamw(optimizer_path, self.adamw)
+            with blame_damage(bundle):
+                self.optimizer = Optimizer(str(optimizer_path), self.module)
         self.module.train()
 
     # -- one micro-batch / one optimizer step -------------------------------------------------

@@ -50,15 +50,21 @@ def test_clipping_does_not_depend_on_the_order_of_the_tensors():
     assert len(seen) == 1
 
 
+def _legacy_graph(spec: AdamWSpec) -> onnx.ModelProto:
+    """The optimizer graph as bundles held it before 2026-12-06: ORT's InplaceClipGradNorm in front of AdamW."""
+    legacy = build_adamw(AdamWSpec(**{**spec.to_dict(), "clip": None}))
+    adam = next(n for n in legacy.graph.node if n.op_type == "AdamWOptimizer")
+    clip = onnx.helper.make_node("InplaceClipGradNorm", [adam.input[3]], ["clipped"], domain="com.microsoft",
+                                 max_norm=spec.clip)
+    adam.input[3] = "clipped"
+    legacy.graph.node.insert(list(legacy.graph.node).index(adam), clip)
+    return legacy
+
+
 def test_orts_own_clipping_kernel_does(tmp_path):
     """The control: the same problem through ORT's InplaceClipGradNorm (what bundles held before 2026-12-06) gives
     several outcomes, so the test above can fail."""
-    legacy = build_adamw(AdamWSpec(clip=None, weight_decay=0.01))
-    adam = next(n for n in legacy.graph.node if n.op_type == "AdamWOptimizer")
-    clip = onnx.helper.make_node("InplaceClipGradNorm", [adam.input[3]], ["clipped"], domain="com.microsoft",
-                                 max_norm=1.0)
-    adam.input[3] = "clipped"
-    legacy.graph.node.insert(list(legacy.graph.node).index(adam), clip)
+    legacy = _legacy_graph(AdamWSpec(clip=1.0, weight_decay=0.01))
     onnx.save(legacy, str(tmp_path / "legacy.onnx"))
     onnx.save(build_adamw(AdamWSpec(clip=1.0)), str(tmp_path / "ours.onnx"))
     assert is_order_dependent(tmp_path / "legacy.onnx") and not is_order_dependent(tmp_path / "ours.onnx")
@@ -84,3 +90,24 @@ def test_clipped_step_equals_torch(clip):
     for mine, ref in zip(new, tp):
         ref = ref.detach().numpy()
         assert np.max(np.abs(mine - ref)) <= 1e-6 * max(np.max(np.abs(ref)), 1e-3)
+
+
+def test_an_older_bundles_graph_is_rebuilt_outside_the_bundle(tmp_path, monkeypatch):
+    from ort_trainer import manifest as mf
+    from ort_trainer import session as session_mod
+    from ort_trainer.bundle import open_bundle
+    from tests.bundle_helpers import build_tiny_bundle
+
+    _, path = build_tiny_bundle("gpt2", tmp_path)
+    bundle = open_bundle(path, verify="none")
+    onnx.save(_legacy_graph(AdamWSpec(**bundle.manifest.optimizer)), str(bundle.file(mf.OPTIMIZER_MODEL)))
+    before = sorted(p.name for p in path.iterdir())
+    built = []
+    real = session_mod.write_adamw
+    monkeypatch.setattr(session_mod, "write_adamw", lambda target, spec: (built.append(spec), real(target, spec)))
+    s = session_mod.TrainSession(bundle)                     # no work_dir: a scratch directory, not the bundle
+    assert built == [AdamWSpec(**bundle.manifest.optimizer)]
+    assert sorted(p.name for p in path.iterdir()) == before
+    ids = np.arange(1, 33, dtype=np.int64)[None] % 50
+    s.forward_backward({"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}, 1.0 / 32)
+    s.step(1e-3)                                             # the rebuilt graph steps
