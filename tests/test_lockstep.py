@@ -78,11 +78,13 @@ def test_a_loss_scale_off_by_a_thousandth_fails_loss_and_gradients(bundle, texts
 
     real = TrainSession.forward_backward
     monkeypatch.setattr(TrainSession, "forward_backward", lambda self, b, scale: real(self, b, scale * 1.001))
-    result = run(bundle, texts, tmp_path, float64_every=100)
+    with_float64 = "gemma3" in str(bundle)          # one family is enough for the reference (it costs ~2x)
+    result = run(bundle, texts, tmp_path, float64_every=100 if with_float64 else 0)
     assert verdicts(result)["loss"] is False and verdicts(result)["grad"] is False
-    # every step is an outlier, so every step gets the float64 reference, and ORT alone fails against it
-    assert result["float64"]["steps"] == STEPS and not result["float64"]["pass"]
-    assert result["float64"]["loss_torch_max"] < 1e-6 and result["float64"]["loss_ort_max"] > 5e-4
+    if with_float64:
+        # every step is an outlier, so every step gets the float64 reference, and ORT alone fails against it
+        assert result["float64"]["steps"] == STEPS and not result["float64"]["pass"]
+        assert result["float64"]["loss_torch_max"] < 1e-6 and result["float64"]["loss_ort_max"] > 5e-4
 
 
 def test_lora_dropout_is_refused(bundle, texts, tmp_path, monkeypatch):
