@@ -45,14 +45,21 @@ TARGET_RATIO = 1.5
 TIMEOUT_S = 1800
 
 
+def _has_decoder(bundle: Path) -> bool:
+    """False for a missing bundle or one cached from before the decoder existed."""
+    manifest = bundle / "manifest.json"
+    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("decoder", {}).get("file"))
+
+
 def _bundles(name: str, sub: Path, quick: bool) -> dict:
+    """Each side's bundle; "bundle": the one whose manifest (LoRA config) the torch side follows."""
     setup = setup_shape(name, sub, quick)
     if setup.get("ok") is False:
         return {"error": setup["error"]}
     fp32 = Path(setup["bundle"])
-    if not json.loads((fp32 / "manifest.json").read_text()).get("decoder", {}).get("file"):
-        fp32 = variant_bundle(name, sub, "decoder", [])          # a bundle cached from before the decoder existed
-    return {"ckpt": str(sub / f"{name}-ckpt"), "ours-fp32": str(fp32),
+    if not _has_decoder(fp32):
+        fp32 = variant_bundle(name, sub, "decoder", [])
+    return {"ckpt": str(sub / f"{name}-ckpt"), "bundle": str(fp32), "ours-fp32": str(fp32),
             "ours-int4": str(variant_bundle(name, sub, "int4", ["--quant", "int4"]))}
 
 
@@ -62,7 +69,7 @@ def _real_bundle(sub: Path) -> dict:
 
     directory, name = resolve_embedded(EMBEDDED_DEFAULT)
     out = sub / "gemma3-270m-real-bundle"
-    if not (out / "manifest.json").is_file() or '"decoder"' not in (out / "manifest.json").read_text():
+    if not _has_decoder(out):
         c = run_child(["pocketlora_cli", "gen", "--model", EMBEDDED_DEFAULT, "--out", str(out), "--force",
                        "--lora-r", "8", "--lora-alpha", "16", "--targets", "attn", "--seq-len", "128"],
                       sub / "gemma3-270m-real-gen.log", TIMEOUT_S)
@@ -74,7 +81,7 @@ def _real_bundle(sub: Path) -> dict:
 
 def _run(side: str, b: dict, spec: dict, log_path: Path) -> dict:
     kind = "torch" if side == "torch" else "llama" if side == "llama.cpp" else "ours"
-    spec = {**spec, "bundle": b.get("bundle", b.get("ours-fp32")) if kind != "ours" else b[side], "ckpt": b["ckpt"],
+    spec = {**spec, "bundle": b[side] if kind == "ours" else b["bundle"], "ckpt": b["ckpt"],
             "gguf_file": b.get("gguf_file"), "gguf": b.get("gguf")}
     c = run_child(["bench.decode_worker", kind, json.dumps(spec)], log_path, TIMEOUT_S)
     if not c.ok:
@@ -107,7 +114,7 @@ def main(argv=None) -> int:
         if "error" in b:
             payload["shapes"][name] = b
             continue
-        ours = Path(b["bundle"] if name == REAL else b["ours-fp32"])
+        ours = Path(b["bundle"])
         sides = REAL_SIDES if name == REAL else SIDES
         entry = {"weight_bytes": _weight_bytes(ours), "decoder_bytes": (ours / "decoder_model.onnx").stat().st_size,
                  "sides": {s: {"runs": []} for s in sides}}

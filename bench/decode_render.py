@@ -39,8 +39,6 @@ def render_report(p: dict, run: str) -> str:
             continue
         ref = e["sides"]["torch"]["decode_tok_s"]
         for side, x in e["sides"].items():
-            if side == "llama.cpp" and ref is None and x["decode_tok_s"] is None:
-                continue
             tok = x["decode_tok_s"]
             ratio = tok / ref if tok and ref else None
             verdict = "" if side in ("torch", "llama.cpp") or ratio is None else (

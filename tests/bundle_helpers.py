@@ -150,13 +150,6 @@ def with_dequantized_base(model, bundle):
     return model
 
 
-def optimizer_with_outputs(spec) -> onnx.ModelProto:
-    """The device's optimizer graph (ort_trainer.optimizer_graph) with AdamWOptimizer's optional outputs exposed."""
-    from ort_trainer.optimizer_graph import build_adamw
-
-    return with_outputs(build_adamw(spec))
-
-
 def with_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """An optimizer graph with AdamWOptimizer's optional outputs (the updated params and moments) as graph outputs,
     to run as an InferenceSession."""

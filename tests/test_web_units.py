@@ -43,10 +43,10 @@ console.log(JSON.stringify(input.map(([s, lr, w, t, sch]) => lrAt(s, lr, w, t, s
 def test_adamw_matches_ort_kernels(node_web, clip, weight_decay):
     import onnxruntime as ort
 
-    from ort_trainer.optimizer_graph import AdamWSpec
-    from tests.bundle_helpers import optimizer_with_outputs
+    from ort_trainer.optimizer_graph import AdamWSpec, build_adamw
+    from tests.bundle_helpers import with_outputs
 
-    sess = ort.InferenceSession(optimizer_with_outputs(AdamWSpec(clip=clip, weight_decay=weight_decay)).SerializeToString(),
+    sess = ort.InferenceSession(with_outputs(build_adamw(AdamWSpec(clip=clip, weight_decay=weight_decay))).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     shapes = [(64, 4), (4, 192), (3,), (17, 5)]
