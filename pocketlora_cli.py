@@ -57,12 +57,10 @@ def _add_gen(sub) -> None:
 
 
 def _as_on_device() -> None:
-    """`train` and `export` run as on a phone, where torch is absent: onnxruntime-training's own
-    `import onnxruntime` imports torch whenever it is installed (its ORTModule check), ~200 MB of RSS
-    and seconds of start-up that a device never pays. Kept as it is where this process already has torch."""
-    for name in ("torch", "transformers", "peft", "optimum"):
-        if name not in sys.modules and not any(m.startswith(name + ".") for m in sys.modules):
-            sys.modules[name] = None          # import fails, find_spec answers None: the device's view
+    """`train`, `export`, `federate`... run as on a phone, where torch is absent (ort_trainer/device_view.py)."""
+    from ort_trainer.device_view import as_on_device
+
+    as_on_device()
 
 
 def _train(args) -> None:

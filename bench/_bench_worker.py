@@ -155,8 +155,9 @@ def _shapes(micro_batches) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------ ORT
 
 def run_ort(spec: dict) -> dict:
-    for mod in ("torch", "transformers", "peft", "optimum"):
-        sys.modules[mod] = None          # as on the device: import fails, find_spec answers None
+    from ort_trainer.device_view import as_on_device
+
+    as_on_device()                       # as on the device: torch cannot be imported
     t_start = time.perf_counter()
     from ort_trainer.bundle import open_bundle
     from ort_trainer.tokenizer import TextTokenizer

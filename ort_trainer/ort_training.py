@@ -17,9 +17,11 @@ from pathlib import Path
 
 import onnxruntime
 
+from .device_view import torch_importable
+
 
 def _training_package() -> None:
-    if "onnxruntime.training" in sys.modules or importlib.util.find_spec("torch") is not None:
+    if "onnxruntime.training" in sys.modules or torch_importable():
         return
     pkg = types.ModuleType("onnxruntime.training")
     pkg.__path__ = [str(Path(onnxruntime.__file__).parent / "training")]
