@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from ort_trainer.settings import TrainSettings, to_argv
 
+from .answers import answers as _answers, exact, prompts, stop_ids
 from .demo_data import write_device_data
 from .generate import greedy_generate
 
@@ -54,43 +54,14 @@ class Recipe(TrainSettings):
     max_new_tokens: int = 12
 
 
-def normalize(text: str) -> str:
-    return re.sub(r"[^a-z0-9. ]", "", text.lower().replace(",", "")).strip(" .")
-
-
 def _phase(log, k: int, title: str) -> float:
     log(f"\n=== [{k}/5] {title} ===")
     return time.time()
 
 
-def _stop_ids(tok) -> set[int]:
-    """The end of the assistant's turn, or of its first line: the answers are one line."""
-    from ort_trainer.tokenizer import turn_end_ids
-
-    return turn_end_ids(tok) | set(tok.encode("\n", add_special_tokens=False)[-1:])
-
-
-def _prompts(tok, questions: list[str]) -> list[list[int]]:
-    from ort_trainer.tokenizer import generation_prompt_ids
-
-    return [generation_prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
-
-
-def _answers(decoder, tok, questions: list[str], max_new: int, batch: int = 16) -> list[str]:
-    """Greedy answers from the bundle's KV-cache decoder with its current adapter."""
-    from ort_trainer.decoder import generate
-    from ort_trainer.sampling import Sampling
-
-    prompts, out = _prompts(tok, questions), []
-    for start in range(0, len(prompts), batch):
-        out += generate(decoder, prompts[start:start + batch], Sampling(max_new_tokens=max_new, temperature=0),
-                        _stop_ids(tok), tok.pad_id if tok.pad_id is not None else 0)
-    return [tok.decode(g.token_ids, skip_special_tokens=True).strip() for g in out]
-
-
 def _standalone_answers(scorer, tok, questions: list[str], max_new: int) -> list[str]:
     """Greedy answers from the exported ONNX model (the adapter baked in), without a KV cache."""
-    outs = greedy_generate(scorer.last_logits, _prompts(tok, questions), max_new, _stop_ids(tok), tok.pad_id)
+    outs = greedy_generate(scorer.last_logits, prompts(tok, questions), max_new, stop_ids(tok), tok.pad_id)
     return [tok.decode(o, skip_special_tokens=True).strip() for o in outs]
 
 
@@ -199,8 +170,8 @@ def run_demo(workdir: str | Path, model: str | None = None, recipe: Recipe | Non
     samples = _standalone_answers(standalone, tok, [questions[i] for i in shown], recipe.max_new_tokens)
     timings["eval_after_s"] = time.time() - t
 
-    correct_before = [normalize(a) == normalize(h["answer"]) for a, h in zip(before, heldout)]
-    correct_after = [normalize(a) == normalize(h["answer"]) for a, h in zip(after, heldout)]
+    correct_before = [exact(a, h["answer"]) for a, h in zip(before, heldout)]
+    correct_after = [exact(a, h["answer"]) for a, h in zip(after, heldout)]
     result = {
         "model": model, "recipe": asdict(recipe),
         "accuracy_before": float(np.mean(correct_before)), "accuracy_after": float(np.mean(correct_after)),
