@@ -12,20 +12,22 @@ questions.
     apps.py       Flower's ClientApp and ServerApp (Message API) around device.py and the server's round loop
     state.py      the server's persisted state (global tensors + round records, one atomic file)
     run.py        `pocketlora federate`: settings, the simulation engine, the report
+    deployment.py the ServerApp for Flower's deployment engine (SuperLink + SuperNodes; flower_app/, docs/FEDERATED.md)
 """
 import sys
 
 
 def _device_process() -> None:
-    """A simulated device runs as on a phone: in Ray's worker processes (where the engine runs the devices) torch is
-    kept out, as `pocketlora train` does (onnxruntime-training imports it whenever it is installed: seconds and
-    ~200 MB per process, which no device pays). Elsewhere nothing changes."""
+    """A device runs as on a phone: in Ray's worker processes (where the simulation engine runs the devices) and in
+    a SuperNode's `flwr-clientapp` processes (the deployment engine's) torch is kept out, as `pocketlora train` does
+    (onnxruntime-training imports it whenever it is installed: seconds and ~200 MB per process, which no device
+    pays). Elsewhere nothing changes."""
     main = sys.modules.get("__main__")
-    if not str(getattr(main, "__file__", "")).endswith("default_worker.py"):
+    if not str(getattr(main, "__file__", "")).endswith(("default_worker.py", "flwr-clientapp")):
         return
-    for name in ("torch", "transformers", "peft", "optimum"):
-        if name not in sys.modules and not any(m.startswith(name + ".") for m in sys.modules):
-            sys.modules[name] = None
+    from ort_trainer.device_view import as_on_device
+
+    as_on_device()
 
 
 _device_process()

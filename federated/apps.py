@@ -25,6 +25,7 @@ from . import device as dev
 from . import state as fstate
 from .aggregate import b_names, fedavg, ffa, product_gap
 from .config import FederateConfig
+from .privacy import CentralDP
 
 client_app = ClientApp()
 
@@ -37,15 +38,24 @@ def _tensors(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {n: a.numpy() for n, a in record.items()}
 
 
-def _request(msg: Message) -> tuple[FederateConfig, str, int]:
+def _request(msg: Message, context: Context) -> tuple[FederateConfig, str, int, int]:
+    """(settings, run directory, round, this device's number). A SuperNode of the deployment engine may name its
+    own bundle copy and directory (`--node-config "partition-id=I bundle='...' dir='...'"`); otherwise the server's
+    paths are used (the simulation; one machine or a shared file system)."""
     conf = msg.content["config"]
-    return FederateConfig.from_json(str(conf["settings"])), str(conf["out"]), int(conf["round"])
+    cfg = FederateConfig.from_json(str(conf["settings"]))
+    node = context.node_config
+    device = int(node["partition-id"])
+    if not 0 <= device < cfg.devices:
+        raise ValueError(f"this node's partition-id is {device}; the run's devices are 0..{cfg.devices - 1}")
+    if node.get("bundle"):
+        cfg.bundle = str(node["bundle"])
+    return cfg, str(node.get("dir") or conf["out"]), int(conf["round"]), device
 
 
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
-    device = int(context.node_config["partition-id"])
-    cfg, out, rnd = _request(msg)
+    cfg, out, rnd, device = _request(msg, context)
     decision = dev.gate_for_round(cfg, out, device, rnd)
     info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
     if not decision.run_step:
@@ -59,8 +69,7 @@ def _train(msg: Message, context: Context) -> Message:
 
 @client_app.evaluate()
 def _evaluate(msg: Message, context: Context) -> Message:
-    device = int(context.node_config["partition-id"])
-    cfg, out, rnd = _request(msg)
+    cfg, out, rnd, device = _request(msg, context)
     decision = dev.gate_for_round(cfg, out, device, rnd)
     info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
     if not decision.run_step:
@@ -79,6 +88,9 @@ def _wait_for_nodes(grid: Grid, n: int, timeout_s: float = 300.0) -> list[int]:
         if time.time() - t0 > timeout_s:
             raise TimeoutError(f"only {len(nodes)} of {n} devices connected within {timeout_s:g} s")
         time.sleep(0.1)
+    if len(nodes) > n:
+        raise RuntimeError(f"{len(nodes)} nodes are connected, but the run has {n} devices: start one SuperNode "
+                           "per device (partition-id 0..devices-1), or rerun with --devices matching")
     return nodes
 
 
@@ -102,6 +114,8 @@ def _split(replies: list[Message]) -> tuple[list[tuple[int, dict, dict[str, np.n
             continue
         metrics = dict(m.content["metrics"])
         d = int(metrics["device"])
+        if d in declined or any(t[0] == d for t in trained):
+            raise RuntimeError(f"two nodes answered as device {d}: every SuperNode needs its own partition-id")
         if metrics["declined"]:
             declined[d] = str(m.content["info"]["reason"])
             continue
@@ -137,17 +151,24 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate
     else:
         log(f"resuming after round {st.round}/{cfg.rounds}")
         fstate.write_rounds(out, st)        # a kill between the state and rounds.jsonl left the latter behind
+    dp = CentralDP(cfg.dp_noise, cfg.dp_clip, cfg.dp_delta, cfg.devices, st.privacy) if cfg.dp_noise > 0 else None
     nodes = _wait_for_nodes(grid, cfg.devices)
     sent_names = b_names(man) if cfg.strategy == "ffa" else man.trainable_names
     for rnd in range(st.round + 1, cfg.rounds + 1):
         t0 = time.time()
-        replies, bytes_down = _send(grid, nodes, MessageType.TRAIN, {n: st.lora[n] for n in sent_names}, cfg, out, rnd)
+        sent = {n: st.lora[n] for n in sent_names}
+        replies, bytes_down = _send(grid, nodes, MessageType.TRAIN, sent, cfg, out, rnd)
         trained, declined, failed = _split(replies)
         usable = [t for t in trained if t[2] is not None]
         updates = [t[2] for t in usable]
         weights = [float(t[1][cfg.weight]) for t in usable]
-        if updates:
-            new = aggregate(cfg, man, st.lora, updates, weights)
+        if dp is not None:      # the mean of the clipped updates, uniform, plus noise (privacy.py)
+            weights = [1.0] * len(usable)
+            released = dp.aggregate(rnd, replies, sent) if len(replies) == len(nodes) else None
+            new = {**st.lora, **released} if released is not None else None
+        else:
+            new = aggregate(cfg, man, st.lora, updates, weights) if updates else None
+        if new is not None:
             full_updates = [{**st.lora, **u} for u in updates]     # FFA: A is the shared init
             gap = product_gap(man, full_updates, weights, new)
         else:
@@ -161,9 +182,13 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate
             "bytes_up": int(sum(t[3] for t in usable)), "bytes_down": int(bytes_down),
             "product_gap": gap, "seconds": round(time.time() - t0, 3),
         }
+        if dp is not None:
+            record["dp"] = {"released": new is not st.lora, "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip,
+                            **dp.spent()}
         if cfg.keep_updates:
             _keep(out, rnd, usable, new)
-        st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256)
+        st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256,
+                                dp.state() if dp is not None else None)
         fstate.save(out, st)
         log(f"round {rnd}/{cfg.rounds}: loss {record['loss'] if record['loss'] is None else round(record['loss'], 4)}, "
             f"{len(usable)} trained, {len(declined)} declined, {len(failed)} failed, "

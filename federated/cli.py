@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace seconds between rounds: a replayed device is at (round-1) x this (default 3600)")
     p.add_argument("--trace-speed", type=float, default=60.0, help="replay speed inside a round (default 60)")
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--dp-noise", type=float, default=0.0,
+                   help="central differential privacy (Flower's DP wrapper, server-side fixed clipping): the noise "
+                        "multiplier; 0 (default): off. Epsilon is reported per round")
+    p.add_argument("--dp-clip", type=float, default=0.0, help="with --dp-noise: each update's L2 clipping norm")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="with --dp-noise: the delta of the reported epsilon")
     p.add_argument("--threads", type=int, default=1, help="ORT threads per device (default 1)")
     p.add_argument("--device-cpus", type=float, default=1.0,
                    help="CPUs one virtual device takes; the engine runs cores / this devices at once (default 1)")
@@ -54,4 +59,5 @@ def config_from_args(args: argparse.Namespace):
         local_steps=args.local_steps, strategy=args.strategy, weight=args.weight,
         personalize_steps=args.personalize_steps, qa_repeats=args.qa_repeats, battery=args.battery,
         batteries=batteries, round_s=args.round_s, trace_speed=args.trace_speed, save_every=args.save_every,
+        dp_noise=args.dp_noise, dp_clip=args.dp_clip, dp_delta=args.dp_delta,
         threads=args.threads, device_cpus=args.device_cpus, keep_updates=args.keep_updates)

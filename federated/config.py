@@ -35,6 +35,9 @@ class FederateConfig(TrainSettings):
     trace_speed: float = 60.0       # how fast a replay runs inside a round (the loop's own gate)
     gate: dict = field(default_factory=lambda: asdict(GateConfig()))
     save_every: int = 50            # the device loop's checkpoint interval (steps) within a round
+    dp_noise: float = 0.0           # central DP (privacy.py): noise multiplier; 0 = off
+    dp_clip: float = 0.0            # central DP: each device's update clipped to this L2 norm
+    dp_delta: float = 1e-5          # central DP: the delta at which epsilon is reported
     # Not part of the federation's definition: may change between resumes.
     threads: int = 1                # ORT threads per device
     device_cpus: float = 1.0        # CPUs one simulated device takes (the engine runs cores / this at once)
@@ -48,7 +51,8 @@ class FederateConfig(TrainSettings):
     schedule: str = "constant"
 
     FIXED = ("bundle", "devices", "rounds", "local_steps", "strategy", "weight", "personalize_steps", "qa_repeats",
-             "battery", "batteries", "round_s", "trace_speed", "gate", "save_every", *TRAIN_NAMES)
+             "battery", "batteries", "round_s", "trace_speed", "gate", "save_every", "dp_noise", "dp_clip", "dp_delta",
+             *TRAIN_NAMES)
 
     @property
     def personalize(self) -> int:
@@ -79,6 +83,9 @@ class FederateConfig(TrainSettings):
         for key in self.batteries:
             if not key.isdigit() or not 0 <= int(key) < self.devices:
                 raise FederateError(f"battery for device {key!r}: devices are 0..{self.devices - 1}")
+        if self.dp_noise < 0 or (self.dp_noise > 0 and not self.dp_clip > 0) or not 0 < self.dp_delta < 1:
+            raise FederateError("--dp-noise must be >= 0 (0: no DP); with DP, --dp-clip must be > 0 and "
+                                "--dp-delta in (0, 1)")
         GateConfig(**self.gate).validate()
         return self
 

@@ -1,7 +1,8 @@
 """What each simulated device holds: facts about the app every user shares, and one person's private records.
 
-Non-IID by construction: every device has the same app facts (the part federation should learn once for
-everyone), and its own person's wearable records from the demo's generator (eval.demo_data) with a different
+Non-IID by construction: every device holds some of the app facts (the part federation should learn once for
+everyone; APP_FACTS_PER_DEVICE of them, in a rotation, so no device trains on all of them and a device alone cannot
+answer every shared question), and its own person's wearable records from the demo's generator (eval.demo_data) with a different
 seed: different dates, step counts and notes, and the same questions with different answers ("Which workout
 did I do most often?"), which a single global adapter cannot fit for everyone and personalization can.
 Device 0 is the demo's own person (seed 7).
@@ -41,8 +42,16 @@ APP_FACTS = [
 ]
 
 
+APP_FACTS_PER_DEVICE = 3      # of the len(APP_FACTS) = 6: device d trains on facts d, d+1, d+2 (mod 6)
+
+
 def person_seed(device: int) -> int:
     return DEMO_SEED + device
+
+
+def app_facts_of(device: int) -> list[Fact]:
+    """The app facts this device trains on; the held-out shared questions cover all of them."""
+    return [APP_FACTS[(device + i) % len(APP_FACTS)] for i in range(APP_FACTS_PER_DEVICE)]
 
 
 def _qa(facts: list[Fact], heldout: bool) -> list[dict]:
@@ -59,15 +68,15 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def write_device_data(out_dir: str | Path, device: int, qa_repeats: int = 1) -> dict:
-    """The device's files (deterministic from `device`): train.jsonl (app + private training questions, each
-    `qa_repeats` times), heldout_shared.jsonl and heldout_private.jsonl (held-out paraphrases, never trained on)."""
+    """The device's files (deterministic from `device`): train.jsonl (its app facts' and its private facts' training
+    questions, each `qa_repeats` times), heldout_shared.jsonl and heldout_private.jsonl (held-out paraphrases, never trained on)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = person_seed(device)
     private = make_facts(make_records(seed), seed)
-    train = (_qa(APP_FACTS, False) + _qa(private, False)) * qa_repeats
+    train = (_qa(app_facts_of(device), False) + _qa(private, False)) * qa_repeats
     _write_jsonl(out / HELDOUT_SHARED, _qa(APP_FACTS, True))
     _write_jsonl(out / HELDOUT_PRIVATE, _qa(private, True))
     _write_jsonl(out / TRAIN, train)   # last: its presence means the set is complete
-    return {"device": device, "person_seed": seed, "app_facts": len(APP_FACTS), "private_facts": len(private),
+    return {"device": device, "person_seed": seed, "app_facts": APP_FACTS_PER_DEVICE, "private_facts": len(private),
             "train_examples": len(train)}

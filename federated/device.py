@@ -222,26 +222,33 @@ def train_round(cfg: FederateConfig, out: str | Path, device: int, rnd: int,
 # -- evaluation and personalization ---------------------------------------------------------------
 
 class Evaluator:
-    """Mean NLL per answer token and next-token accuracy on the answer tokens of chat .jsonl files, for any
-    adapter: one eval session (the LoRA tensors are its inputs), one tokenizer."""
+    """For any adapter, on the answer tokens of a chat .jsonl file: mean NLL per answer token and next-token
+    accuracy (teacher-forced, the eval graph), and exact match of the greedy answer (the bundle's KV-cache decoder,
+    as the demo scores). One eval session and one decoder (the LoRA tensors are inputs of both), one tokenizer."""
 
-    def __init__(self, bundle: Bundle, threads: int = 1, batch: int = 16):
+    def __init__(self, bundle: Bundle, threads: int = 1, batch: int = 16, max_new_tokens: int = 16):
+        from ort_trainer.decoder import Decoder
         from ort_trainer.session import EvalSession, RuntimeOptions
         from ort_trainer.tokenizer import TextTokenizer
 
-        self.bundle, self.batch = bundle, batch
+        self.bundle, self.batch, self.max_new_tokens = bundle, batch, max_new_tokens
         self.tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
         self.session = EvalSession(bundle, {}, RuntimeOptions(threads))
-        self._examples: dict[Path, list] = {}
+        self.decoder = Decoder(bundle, RuntimeOptions(threads))
+        self._examples: dict[Path, tuple[list, list[tuple[str, str]]]] = {}
 
     def __call__(self, lora: dict[str, np.ndarray], path: Path) -> dict:
+        from eval.answers import answers, exact
         from ort_trainer.batching import collate
         from ort_trainer.records import load_examples
 
         if path not in self._examples:
-            self._examples[path] = load_examples(path, self.tok, self.bundle.manifest.seq_len)[0]
-        examples = self._examples[path]
-        self.session.lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
+            qa = [(r["messages"][0]["content"], r["messages"][1]["content"])
+                  for r in map(json.loads, path.read_text().splitlines()) if r]
+            self._examples[path] = (load_examples(path, self.tok, self.bundle.manifest.seq_len)[0], qa)
+        examples, qa = self._examples[path]
+        lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
+        self.session.lora = lora
         nll, right, n = 0.0, 0, 0
         for i in range(0, len(examples), self.batch):
             b = collate(examples[i:i + self.batch], self.tok.pad_id)
@@ -253,7 +260,10 @@ class Evaluator:
             nll += loss
             right += int(np.sum(np.argmax(logits, axis=-1) == targets))
             n += len(targets)
-        return {"loss": nll / max(n, 1), "acc": right / max(n, 1), "tokens": n}
+        self.decoder.use_adapter(lora)
+        said = answers(self.decoder, self.tok, [q for q, _ in qa], self.max_new_tokens, self.batch)
+        em = sum(exact(a, want) for a, (_, want) in zip(said, qa))
+        return {"loss": nll / max(n, 1), "acc": right / max(n, 1), "tokens": n, "em": em / max(len(qa), 1)}
 
 
 def final_phase(cfg: FederateConfig, out: str | Path, device: int, global_lora: dict[str, np.ndarray]) -> dict:
@@ -284,5 +294,6 @@ def final_phase(cfg: FederateConfig, out: str | Path, device: int, global_lora: 
             r = evaluate(lora, data / fname)
             result[f"{name}/{split}/loss"] = r["loss"]
             result[f"{name}/{split}/acc"] = r["acc"]
+            result[f"{name}/{split}/em"] = r["em"]
     log(f"final phase: {json.dumps(result)}")
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import data as fdata
 from . import state as fstate
 from .config import FederateConfig
 
@@ -25,7 +26,8 @@ def write_report(cfg: FederateConfig, out: Path) -> Path:
         f"local steps (micro-batch {cfg.micro_batch} x accum {cfg.accum}, lr {cfg.lr:g}) with the device loop and "
         f"sends only its LoRA tensors{' (B only: A is frozen at the shared init)' if cfg.strategy == 'ffa' else ''}; "
         f"the server averages them weighted by {'label tokens trained on this round' if cfg.weight == 'tokens' else 'the examples each device holds'}. "
-        "Devices hold the same app facts and one person's private wearable records each (non-IID).",
+        f"Devices hold {fdata.APP_FACTS_PER_DEVICE} of the {len(fdata.APP_FACTS)} app facts each (no device all of them) "
+        "and one person's private wearable records each (non-IID).",
         "",
         "## Rounds",
         "",
@@ -36,28 +38,36 @@ def write_report(cfg: FederateConfig, out: Path) -> Path:
         declined = ", ".join(f"{d}" for d in r["declined"]) or "–"
         lines.append(f"| {r['round']} | {_f(r['loss'], 4)} | {len(r['participants'])} | {declined} | {len(r['failed'])} "
                      f"| {r['bytes_up'] / 1e6:.2f} | {r['bytes_down'] / 1e6:.2f} | {_f(r['product_gap'], 4)} | {r['seconds']:.1f} |")
+    dp = [r["dp"] for r in rounds if "dp" in r]
+    if dp:
+        lines += ["", f"Central differential privacy (Flower's DP wrapper, server-side fixed clipping; federated/privacy.py): "
+                  f"noise multiplier {cfg.dp_noise:g}, clipping norm {cfg.dp_clip:g}; after the last round "
+                  f"epsilon = {dp[-1]['epsilon']:.3g} at delta = {dp[-1]['delta']:g} over {dp[-1]['releases']} "
+                  f"released rounds (client-level, no sampling amplification)."]
     lines += ["", "B·A gap: how far the merged adapter's B·A is from the weighted average of the devices' B·A "
               "(relative Frobenius norm); 0 for FFA-LoRA by construction.", "",
               "## Personalization (held-out paraphrases, never trained on)", "",
-              "Mean over reporting devices of the answer tokens' NLL (lower is better) and next-token accuracy. "
+              "Mean over reporting devices: exact match of the greedy answer (EM, as the demo scores), next-token "
+              "accuracy on the answer tokens (teacher-forced) and their NLL (lower is better). Shared: the app "
+              "facts, all of them asked on every device; private: the device's own person's facts. "
               f"local only: each device alone for {cfg.rounds * cfg.local_steps} steps; federated + personalized: "
               f"the global adapter fine-tuned {cfg.personalize} steps on the device.", "",
-              "| adapter | private loss | private acc | shared loss | shared acc |", "| --- | ---: | ---: | ---: | ---: |"]
+              "| adapter | private EM | shared EM | private acc | shared acc | private loss | shared loss |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     devs = final["devices"]
     for key, label in ADAPTERS:
         if not devs or f"{key}/private/loss" not in devs[0]:
             continue
-        mean = {m: sum(d[f"{key}/{m}"] for d in devs) / len(devs)
-                for m in ("private/loss", "private/acc", "shared/loss", "shared/acc")}
-        lines.append(f"| {label} | {_f(mean['private/loss'])} | {_f(mean['private/acc'])} | {_f(mean['shared/loss'])} "
-                     f"| {_f(mean['shared/acc'])} |")
+        cols = ("private/em", "shared/em", "private/acc", "shared/acc", "private/loss", "shared/loss")
+        mean = {m: sum(d[f"{key}/{m}"] for d in devs) / len(devs) for m in cols}
+        lines.append(f"| {label} | " + " | ".join(_f(mean[m]) for m in cols) + " |")
     lines += ["", f"{len(devs)} devices reported; declined the final phase: "
               f"{', '.join(f'{d} ({why})' for d, why in final['declined'].items()) or 'none'}; "
-              f"failed: {len(final['failed'])}.", "", "### Per device (private loss)", "",
+              f"failed: {len(final['failed'])}.", "", "### Per device (private EM)", "",
               "| device | " + " | ".join(label for _, label in ADAPTERS) + " |",
               "| ---: | " + " | ".join("---:" for _ in ADAPTERS) + " |"]
     for d in devs:
-        lines.append(f"| {int(d['device'])} | " + " | ".join(_f(d.get(f"{k}/private/loss")) for k, _ in ADAPTERS) + " |")
+        lines.append(f"| {int(d['device'])} | " + " | ".join(_f(d.get(f"{k}/private/em")) for k, _ in ADAPTERS) + " |")
     if _plot(rounds, out / "rounds.png"):
         lines += ["", "![rounds](rounds.png)"]
     path = out / "report.md"

@@ -27,7 +27,16 @@ REPORT = "report.md"
 
 
 def federate(cfg: FederateConfig, out: str | Path, log=print) -> dict:
-    from ort_trainer.adapter import export_peft
+    cfg, out, bundle = prepare(cfg, out)
+    if not complete(cfg, out):
+        _simulate(cfg, out, log)
+    return finish(cfg, out, bundle, log)
+
+
+def prepare(cfg: FederateConfig, out: str | Path):
+    """Settings checked and settled against DIR's (a rerun resumes), the bundle opened (hashes verified on a fresh
+    start), DIR/federate.json written. Shared by `pocketlora federate` and the deployment engine's ServerApp
+    (deployment.py). Returns (cfg, out, bundle)."""
     from ort_trainer.bundle import open_bundle
 
     out = Path(out).resolve()
@@ -40,13 +49,23 @@ def federate(cfg: FederateConfig, out: str | Path, log=print) -> dict:
     bundle = open_bundle(cfg.bundle, verify="sizes" if resuming else "hashes")
     if not resuming:
         fstate.write_atomic(out / CONFIG, cfg.to_json().encode())
+    return cfg, out, bundle
+
+
+def complete(cfg: FederateConfig, out: Path) -> bool:
+    """Every round done and every device's final numbers in."""
     st = fstate.load(out)
-    if st is None or st.round < cfg.rounds or not (out / fstate.FINAL).exists():
-        _simulate(cfg, out, log)
-    st = fstate.load(out)
-    export_peft(bundle.manifest, st.lora, out / GLOBAL)
+    return st is not None and st.round >= cfg.rounds and (out / fstate.FINAL).exists()
+
+
+def finish(cfg: FederateConfig, out: Path, bundle, log=print) -> dict:
+    """The end of a complete run: the global adapter as a PEFT directory (DIR/global/) and DIR/report.md."""
+    from ort_trainer.adapter import export_peft
+
     from .report import write_report
 
+    st = fstate.load(out)
+    export_peft(bundle.manifest, st.lora, out / GLOBAL)
     write_report(cfg, out)
     log(f"global adapter (PEFT) in {out / GLOBAL}; report in {out / REPORT}")
     return {"rounds": st.round, "out": str(out)}
@@ -68,8 +87,8 @@ def _simulate(cfg: FederateConfig, out: Path, log) -> None:
 
     from .apps import client_app, make_server_app
 
-    # run_simulation is the engine the brief asks for (flwr run needs an app package and a SuperLink process);
-    # its deprecation warning, repeated by every run, is kept off the output. Errors still show.
+    # Flower's simulation engine in this process tree (deployment.py runs the same apps on a SuperLink and
+    # SuperNodes); its deprecation warning, repeated by every run, is kept off the output. Errors still show.
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.ERROR)
     run_simulation(
@@ -78,8 +97,8 @@ def _simulate(cfg: FederateConfig, out: Path, log) -> None:
                         "init_args": {"logging_level": logging.ERROR, "log_to_driver": False,
                                       "num_cpus": max(1, os.cpu_count() or 1)}},
     )
-    st = fstate.load(out)
-    if st is None or st.round < cfg.rounds or not (out / fstate.FINAL).exists():
+    if not complete(cfg, out):
+        st = fstate.load(out)
         raise RuntimeError(f"the simulation ended before the run was complete (round "
                            f"{st.round if st else 0}/{cfg.rounds}); see the log above, then rerun to resume")
     sys.stdout.flush()

@@ -25,10 +25,12 @@ class ServerState:
     lora: dict[str, np.ndarray]             # the global adapter, ONNX names
     records: list[dict] = field(default_factory=list)
     config_sha256: str = ""
+    privacy: dict | None = None             # the DP accountant's state (privacy.py), when DP is on
 
 
 def save(out: Path, st: ServerState) -> None:
-    meta = {"round": st.round, "records": st.records, "config_sha256": st.config_sha256, "names": sorted(st.lora)}
+    meta = {"round": st.round, "records": st.records, "config_sha256": st.config_sha256, "names": sorted(st.lora),
+            "privacy": st.privacy}
     buf = io.BytesIO()
     np.savez(buf, __meta__=np.array(json.dumps(meta)),
              **{f"t{i}": np.ascontiguousarray(st.lora[n], dtype=np.float32) for i, n in enumerate(meta["names"])})
@@ -43,7 +45,7 @@ def load(out: Path) -> ServerState | None:
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["__meta__"]))
         lora = {n: z[f"t{i}"].copy() for i, n in enumerate(meta["names"])}
-    return ServerState(meta["round"], lora, meta["records"], meta["config_sha256"])
+    return ServerState(meta["round"], lora, meta["records"], meta["config_sha256"], meta.get("privacy"))
 
 
 def write_rounds(out: Path, st: ServerState) -> None:
