@@ -24,6 +24,7 @@ FORMATS_OF = {  # the small model's weights -> the block format they are made of
     "mlp.gate_proj": "Q5_0", "mlp.up_proj": "Q4_K", "mlp.down_proj": "Q6_K"}
 
 
+@pytest.mark.slow        # the real model's 127 quantized tensors (~30 s); the 256-wide mixed-block model runs always
 def test_every_block_of_the_real_gguf_decodes_exactly():
     import gguf
 
