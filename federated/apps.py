@@ -8,6 +8,11 @@ device.final_phase's numbers. A device that fails replies with an error; the rou
 
 The round loop is the server's own, not Strategy.start: it persists the global state after every round and
 resumes after a kill, which Strategy.start (always from round 1) does not.
+
+With --secagg (secure.py) a round is one run of Flower's SecAggPlusWorkflow instead: four train messages per
+device (setup, share_keys, collect_masked_vectors, unmask), Flower's secaggplus_mod in front of the train
+function, and at collect_masked_vectors the legacy FitIns / FitRes form the mod reads (secure.fit_request,
+secure.fit_reply); the server gets only the weighted mean.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from . import device as dev
+from . import secure
 from . import state as fstate
 from .aggregate import b_names, fedavg, ffa, product_gap
 from .config import FederateConfig
@@ -38,11 +44,11 @@ def _tensors(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {n: a.numpy() for n, a in record.items()}
 
 
-def _request(msg: Message, context: Context) -> tuple[FederateConfig, str, int, int]:
-    """(settings, run directory, round, this device's number). A SuperNode of the deployment engine may name its
-    own bundle copy and directory (`--node-config "partition-id=I bundle='...' dir='...'"`); otherwise the server's
-    paths are used (the simulation; one machine or a shared file system)."""
-    conf = msg.content["config"]
+def _request(conf, context: Context) -> tuple[FederateConfig, str, int, int]:
+    """(settings, run directory, round, this device's number) from a request's config ({"round", "out",
+    "settings"}). A SuperNode of the deployment engine may name its own bundle copy and directory
+    (`--node-config "partition-id=I bundle='...' dir='...'"`); otherwise the server's paths are used (the
+    simulation; one machine or a shared file system)."""
     cfg = FederateConfig.from_json(str(conf["settings"]))
     node = context.node_config
     device = int(node["partition-id"])
@@ -53,9 +59,16 @@ def _request(msg: Message, context: Context) -> tuple[FederateConfig, str, int, 
     return cfg, str(node.get("dir") or conf["out"]), int(conf["round"]), device
 
 
-@client_app.train()
+def sent_names(cfg: FederateConfig, manifest) -> list[str]:
+    """The tensors the server sends and the devices return, in this order: all trainable ones, or B's for FFA."""
+    return b_names(manifest) if cfg.strategy == "ffa" else list(manifest.trainable_names)
+
+
+@client_app.train(mods=[secure.secagg_mod])
 def _train(msg: Message, context: Context) -> Message:
-    cfg, out, rnd, device = _request(msg, context)
+    if secure.is_fit_request(msg):
+        return _train_secagg(msg, context)
+    cfg, out, rnd, device = _request(msg.content["config"], context)
     decision = dev.gate_for_round(cfg, out, device, rnd)
     info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
     if not decision.run_step:
@@ -67,9 +80,32 @@ def _train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"arrays": _arrays(sent), "metrics": metrics, "info": info}), reply_to=msg)
 
 
+def _train_secagg(msg: Message, context: Context) -> Message:
+    """A SecAgg+ round's collect_masked_vectors stage, called by Flower's secaggplus_mod: the request is legacy
+    FitIns, the reply legacy FitRes (tensors in the sent order + the loss, weight = label tokens), which the mod
+    masks; the reply's metrics are all the server sees of this device besides its weight. A declined device
+    answers zeros with weight 0 (secure.py: that changes nothing, exactly)."""
+    from ort_trainer.bundle import open_bundle
+
+    cfg, out, rnd, device = _request(msg.content[secure.FITINS_CONFIG], context)
+    man = open_bundle(cfg.bundle, verify="none").manifest
+    names = sent_names(cfg, man)
+    _, start = secure.fit_request(msg, names)
+    decision = dev.gate_for_round(cfg, out, device, rnd)
+    metrics = {"device": device, "declined": int(not decision.run_step), "reason": decision.reason,
+               "gate": decision.state.value}
+    if not decision.run_step:
+        return secure.fit_reply(msg, secure.zeros(names, start), 0, metrics)
+    sent, stats = dev.train_round(cfg, out, device, rnd, start)
+    weight = int(stats[cfg.weight])
+    if weight > secure.max_weight(cfg, man):
+        raise RuntimeError(f"SecAgg+: weight {weight} > max_weight {secure.max_weight(cfg, man)}")
+    return secure.fit_reply(msg, secure.vector(names, sent, stats["loss"], cfg.secagg_clip), weight, metrics)
+
+
 @client_app.evaluate()
 def _evaluate(msg: Message, context: Context) -> Message:
-    cfg, out, rnd, device = _request(msg, context)
+    cfg, out, rnd, device = _request(msg.content["config"], context)
     decision = dev.gate_for_round(cfg, out, device, rnd)
     info = ConfigRecord({"reason": decision.reason, "gate": decision.state.value})
     if not decision.run_step:
@@ -135,13 +171,16 @@ def aggregate(cfg: FederateConfig, manifest, global_lora: dict[str, np.ndarray],
     return fedavg(updates, weights, manifest.trainable_names)
 
 
-def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate.ServerState:
+def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print,
+                context: Context | None = None) -> fstate.ServerState:
+    """The rounds, then the final phase. `context`: the ServerApp's (--secagg runs Flower's SecAgg+ workflow in a
+    LegacyContext around it)."""
     from ort_trainer import manifest as mf
     from ort_trainer.adapter import load_lora
     from ort_trainer.bundle import open_bundle
 
     man = open_bundle(cfg.bundle, verify="none").manifest
-    config_sha = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in cfg.FIXED}, sort_keys=True).encode()).hexdigest()
+    config_sha = hashlib.sha256(json.dumps(cfg.fixed(), sort_keys=True).encode()).hexdigest()
     st = fstate.load(out)
     if st is None:
         st = fstate.ServerState(0, load_lora(open_bundle(cfg.bundle, verify="none").file(mf.CHECKPOINT), man),
@@ -152,11 +191,16 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate
         log(f"resuming after round {st.round}/{cfg.rounds}")
         fstate.write_rounds(out, st)        # a kill between the state and rounds.jsonl left the latter behind
     dp = CentralDP(cfg.dp_noise, cfg.dp_clip, cfg.dp_delta, cfg.devices, st.privacy) if cfg.dp_noise > 0 else None
+    if cfg.secagg and context is None:
+        raise ValueError("--secagg: server_loop needs the ServerApp's context (SecAgg+ runs in a LegacyContext)")
     nodes = _wait_for_nodes(grid, cfg.devices)
-    sent_names = b_names(man) if cfg.strategy == "ffa" else man.trainable_names
+    names = sent_names(cfg, man)
     for rnd in range(st.round + 1, cfg.rounds + 1):
         t0 = time.time()
-        sent = {n: st.lora[n] for n in sent_names}
+        sent = {n: st.lora[n] for n in names}
+        if cfg.secagg:
+            st = _secure_round(grid, context, cfg, out, man, st, rnd, nodes, sent, t0, log)
+            continue
         replies, bytes_down = _send(grid, nodes, MessageType.TRAIN, sent, cfg, out, rnd)
         trained, declined, failed = _split(replies)
         usable = [t for t in trained if t[2] is not None]
@@ -194,7 +238,7 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate
             f"{len(usable)} trained, {len(declined)} declined, {len(failed)} failed, "
             f"{record['bytes_up'] / 1e6:.2f} MB up, {record['seconds']:.1f} s")
     if not (out / fstate.FINAL).exists():
-        replies, _ = _send(grid, nodes, MessageType.EVALUATE, {n: st.lora[n] for n in sent_names}, cfg, out,
+        replies, _ = _send(grid, nodes, MessageType.EVALUATE, {n: st.lora[n] for n in names}, cfg, out,
                            cfg.rounds + 1)
         results, declined, failed = [], {}, []
         for m in replies:
@@ -213,7 +257,30 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print) -> fstate
     return st
 
 
+def _secure_round(grid, context, cfg, out, man, st, rnd, nodes, sent, t0, log) -> fstate.ServerState:
+    """One round through Flower's SecAgg+ (secure.py), persisted as any round. The record holds what the server
+    still knows: who trained or declined (and why), their weights, the weighted mean loss; no device's loss or
+    tensors (device_loss and product_gap are None). --keep-updates keeps the global only."""
+    r = secure.secure_round(grid, context, cfg, man, rnd, nodes, sent,
+                            {"round": rnd, "out": str(out), "settings": cfg.to_json()})
+    new = {**st.lora, **r.released} if r.released is not None else st.lora
+    record = {"round": rnd, "strategy": cfg.strategy, "weight": cfg.weight, **r.record,
+              "seconds": round(time.time() - t0, 3)}
+    if cfg.keep_updates:
+        _keep(out, rnd, [], new)
+    st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256, None)
+    fstate.save(out, st)
+    loss = record["loss"] if record["loss"] is None else round(record["loss"], 4)
+    log(f"round {rnd}/{cfg.rounds} (SecAgg+): loss {loss}, {len(record['participants'])} trained, "
+        f"{len(record['declined'])} declined, {len(record['failed'])} failed, "
+        f"{'released' if r.released is not None else 'NOT released'}, {record['bytes_up'] / 1e6:.2f} MB up, "
+        f"{record['seconds']:.1f} s")
+    return st
+
+
 def _keep(out: Path, rnd: int, usable, new: dict[str, np.ndarray]) -> None:
+    """DIR/updates/round-RRR/: every device's update and the new global (under SecAgg+ the global only: the
+    server never has a device's tensors)."""
     d = out / "updates" / f"round-{rnd:03d}"
     d.mkdir(parents=True, exist_ok=True)
     for device, metrics, tensors, _ in usable:
@@ -227,6 +294,6 @@ def make_server_app(cfg: FederateConfig, out: Path, log=print) -> ServerApp:
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
-        server_loop(grid, cfg, out, log)
+        server_loop(grid, cfg, out, log, context)
 
     return app

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the examples it holds")
     p.add_argument("--personalize-steps", type=int, default=None,
                    help="local fine-tuning of the global adapter after the rounds (default: --local-steps; 0: none)")
+    p.add_argument("--private-facts", type=int, default=0,
+                   help="how many of its person's facts each device holds, spread over their kinds (default 0: all)")
     p.add_argument("--qa-repeats", type=int, default=1, help="each training question this many times per device")
     p.add_argument("--battery", default="none", help="every device's probe: none|replay:TRACE.csv|auto|...")
     p.add_argument("--device-battery", action="append", default=[], metavar="N=SPEC",
@@ -36,11 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "multiplier; 0 (default): off. Epsilon is reported per round")
     p.add_argument("--dp-clip", type=float, default=0.0, help="with --dp-noise: each update's L2 clipping norm")
     p.add_argument("--dp-delta", type=float, default=1e-5, help="with --dp-noise: the delta of the reported epsilon")
+    p.add_argument("--secagg", action="store_true",
+                   help="secure aggregation (Flower's SecAgg+): the server learns only each round's weighted sum, "
+                        "never one device's tensors or loss (each device's weight and gate decision stay visible)")
+    p.add_argument("--secagg-shares", type=int, default=0,
+                   help="with --secagg: devices each one's secrets are shared among (odd, >= 3; default 0: all)")
+    p.add_argument("--secagg-threshold", type=int, default=0,
+                   help="with --secagg: shares needed to reconstruct a secret (default 0: a majority of the shares; "
+                        "a round survives shares - threshold devices dropping out)")
+    p.add_argument("--secagg-clip", type=float, default=1.0,
+                   help="with --secagg: every value sent must lie in [-clip, clip] (a power of 2, default 1); the "
+                        "quantization step is 2 x clip / 2^22")
     p.add_argument("--threads", type=int, default=1, help="ORT threads per device (default 1)")
     p.add_argument("--device-cpus", type=float, default=1.0,
                    help="CPUs one virtual device takes; the engine runs cores / this devices at once (default 1)")
     p.add_argument("--keep-updates", action="store_true",
-                   help="also keep every device's update and each round's global adapter in DIR/updates/")
+                   help="also keep every device's update and each round's global adapter in DIR/updates/ (with "
+                        "--secagg the global only: the server never has a device's update)")
     add_train_arguments(p)
     p.set_defaults(**TRAIN_DEFAULTS)
 
@@ -57,7 +71,9 @@ def config_from_args(args: argparse.Namespace):
     return FederateConfig(
         **train_from_args(args), bundle=args.bundle, devices=args.devices, rounds=args.rounds,
         local_steps=args.local_steps, strategy=args.strategy, weight=args.weight,
-        personalize_steps=args.personalize_steps, qa_repeats=args.qa_repeats, battery=args.battery,
+        personalize_steps=args.personalize_steps, qa_repeats=args.qa_repeats,
+        private_facts=args.private_facts, battery=args.battery,
         batteries=batteries, round_s=args.round_s, trace_speed=args.trace_speed, save_every=args.save_every,
-        dp_noise=args.dp_noise, dp_clip=args.dp_clip, dp_delta=args.dp_delta,
+        dp_noise=args.dp_noise, dp_clip=args.dp_clip, dp_delta=args.dp_delta, secagg=args.secagg,
+        secagg_shares=args.secagg_shares, secagg_threshold=args.secagg_threshold, secagg_clip=args.secagg_clip,
         threads=args.threads, device_cpus=args.device_cpus, keep_updates=args.keep_updates)

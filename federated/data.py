@@ -67,13 +67,15 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     tmp.replace(path)
 
 
-def write_device_data(out_dir: str | Path, device: int, qa_repeats: int = 1) -> dict:
+def write_device_data(out_dir: str | Path, device: int, qa_repeats: int = 1, private_facts: int = 0) -> dict:
     """The device's files (deterministic from `device`): train.jsonl (its app facts' and its private facts' training
     questions, each `qa_repeats` times), heldout_shared.jsonl and heldout_private.jsonl (held-out paraphrases, never trained on)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed = person_seed(device)
     private = make_facts(make_records(seed), seed)
+    if 0 < private_facts < len(private):      # evenly over the list, which is grouped by kind
+        private = [private[i * len(private) // private_facts] for i in range(private_facts)]
     train = (_qa(app_facts_of(device), False) + _qa(private, False)) * qa_repeats
     _write_jsonl(out / HELDOUT_SHARED, _qa(APP_FACTS, True))
     _write_jsonl(out / HELDOUT_PRIVATE, _qa(private, True))

@@ -65,5 +65,5 @@ def _main(grid: Grid, context: Context) -> None:
     cfg, out = settings_from_run_config(context.run_config)
     cfg, out, bundle = prepare(cfg, out)
     if not complete(cfg, out):
-        server_loop(grid, cfg, out, _log)
+        server_loop(grid, cfg, out, _log, context)
     finish(cfg, out, bundle, _log)

@@ -64,7 +64,7 @@ def _write_json(path: Path, obj) -> None:
 def ensure_data(cfg: FederateConfig, out: str | Path, device: int) -> Path:
     d = device_dir(out, device) / "data"
     if not (d / fdata.TRAIN).is_file():
-        fdata.write_device_data(d, device, cfg.qa_repeats)
+        fdata.write_device_data(d, device, cfg.qa_repeats, cfg.private_facts)
     return d
 
 

@@ -44,6 +44,15 @@ def write_report(cfg: FederateConfig, out: Path) -> Path:
                   f"noise multiplier {cfg.dp_noise:g}, clipping norm {cfg.dp_clip:g}; after the last round "
                   f"epsilon = {dp[-1]['epsilon']:.3g} at delta = {dp[-1]['delta']:g} over {dp[-1]['releases']} "
                   f"released rounds (client-level, no sampling amplification)."]
+    sa = [r["secagg_detail"] for r in rounds if r.get("secagg")]
+    if sa:
+        bound = max((d["error_bound"] for d in sa if d["error_bound"] is not None), default=None)
+        lines += ["", f"Secure aggregation (Flower's SecAgg+; federated/secure.py): the server saw only each round's "
+                  f"weighted sum, never one device's tensors or loss (B·A gap: unknown to it). Secrets shared among "
+                  f"{sa[-1]['shares']} devices, threshold {sa[-1]['threshold']}; values quantized in "
+                  f"[-{sa[-1]['clip']:g}, {sa[-1]['clip']:g}] to 2^22 levels, max weight {sa[-1]['max_weight']} "
+                  f"tokens: each round's global differs from plain FedAvg of the same tensors by at most "
+                  f"{f'{bound:.2g}' if bound else '–'} per value. Not released: {sum(not d['released'] for d in sa)} of {len(sa)} rounds."]
     lines += ["", "B·A gap: how far the merged adapter's B·A is from the weighted average of the devices' B·A "
               "(relative Frobenius norm); 0 for FFA-LoRA by construction.", "",
               "## Personalization (held-out paraphrases, never trained on)", "",
