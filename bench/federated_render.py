@@ -32,9 +32,10 @@ def render_report(p: dict, stem: str) -> str:
         lines += [f"- wall {r['wall_s']:.0f} s; median round {r['round_s_median']:.1f} s "
                   f"({', '.join(format(x['seconds'], '.1f') for x in rounds)}); final phase (local-only training, "
                   f"personalization, evaluation on every device) {r['final_phase_s']:.0f} s",
-                  f"- peak RSS: the whole process tree {r['tree_rss'] / 2**20:,.0f} MiB (up to {r['processes']} "
-                  f"processes: the server, Ray's GCS and raylet, its workers), the largest process "
-                  f"{r['largest_rss'] / 2**20:,.0f} MiB",
+                  f"- peak memory of the whole process tree (up to {r['processes']} processes: the server, Ray's GCS "
+                  f"and raylet, its workers): RSS summed {r['tree_rss'] / 2**20:,.0f} MiB"
+                  + (f", PSS summed {r['tree_pss'] / 2**20:,.0f} MiB (shared pages counted once)" if r.get("tree_pss") else "")
+                  + f"; the largest process {r['largest_rss'] / 2**20:,.0f} MiB RSS",
                   f"- per round: {statistics.fmean(x['bytes_up'] for x in rounds) / 1e6:.2f} MB up, "
                   f"{statistics.fmean(x['bytes_down'] for x in rounds) / 1e6:.2f} MB down; trained "
                   f"{', '.join(str(len(x['participants'])) for x in rounds)} devices; losses "
