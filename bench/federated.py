@@ -140,6 +140,17 @@ def _bundle(shape: str, sub: Path) -> Path:
     return out
 
 
+def device_peaks(out: Path) -> dict:
+    """The devices' own peak RSS in MiB (each local run's summary.json: the VmHWM of the process it ran in, a Ray
+    worker that may have run other devices before, so an upper bound): in their rounds (the last two each device
+    keeps) and in the final phase's local-only and personalized runs."""
+    peaks: dict[str, float] = {}
+    for f in out.glob("devices/device-*/*/summary.json"):
+        kind = "round" if f.parent.name.startswith("round-") else f.parent.name
+        peaks[kind] = max(peaks.get(kind, 0.0), float(json.loads(f.read_text()).get("peak_rss_mb") or 0.0))
+    return peaks
+
+
 def run_shape(shape: str, sub: Path) -> dict:
     spec = SHAPES[shape]
     bundle = _bundle(shape, sub)
@@ -162,6 +173,7 @@ def run_shape(shape: str, sub: Path) -> dict:
                                          "bytes_down", "seconds", "dp") if k in r_} for r_ in rounds]
     res["round_s_median"] = statistics.median(r_["seconds"] for r_ in rounds)
     res["final_phase_s"] = round(r["wall_s"] - sum(r_["seconds"] for r_ in rounds), 1)
+    res["device_peak_rss_mb"] = device_peaks(out)
     res["devices"] = final["devices"]
     res["declined_final"] = final["declined"]
     res["failed_final"] = final["failed"]

@@ -35,7 +35,10 @@ def render_report(p: dict, stem: str) -> str:
                   f"- peak memory of the whole process tree (up to {r['processes']} processes: the server, Ray's GCS "
                   f"and raylet, its workers): RSS summed {r['tree_rss'] / 2**20:,.0f} MiB"
                   + (f", PSS summed {r['tree_pss'] / 2**20:,.0f} MiB (shared pages counted once)" if r.get("tree_pss") else "")
-                  + f"; the largest process {r['largest_rss'] / 2**20:,.0f} MiB RSS",
+                  + f"; the largest process {r['largest_rss'] / 2**20:,.0f} MiB RSS"
+                  + ("; a device's own peak RSS (its runs' VmHWM): " + ", ".join(
+                      f"{k} {v:,.0f} MiB" for k, v in sorted(r["device_peak_rss_mb"].items()))
+                     if r.get("device_peak_rss_mb") else ""),
                   f"- per round: {statistics.fmean(x['bytes_up'] for x in rounds) / 1e6:.2f} MB up, "
                   f"{statistics.fmean(x['bytes_down'] for x in rounds) / 1e6:.2f} MB down; trained "
                   f"{', '.join(str(len(x['participants'])) for x in rounds)} devices; losses "
