@@ -72,13 +72,16 @@ def write_report(cfg: FederateConfig, out: Path) -> Path:
         lines.append(f"| {label} | " + " | ".join(_f(mean[m]) for m in cols) + " |")
     lines += ["", f"{len(devs)} devices reported; declined the final phase: "
               f"{', '.join(f'{d} ({why})' for d, why in final['declined'].items()) or 'none'}; "
-              f"failed: {len(final['failed'])}.", "", "### Per device (private EM)", "",
+              f"failed: {len(final['failed'])}.", "", "### Per device: exact match, private / shared", "",
               "| device | " + " | ".join(label for _, label in ADAPTERS) + " |",
               "| ---: | " + " | ".join("---:" for _ in ADAPTERS) + " |"]
     for d in devs:
-        lines.append(f"| {int(d['device'])} | " + " | ".join(_f(d.get(f"{k}/private/em")) for k, _ in ADAPTERS) + " |")
+        lines.append(f"| {int(d['device'])} | " + " | ".join(
+            f"{_f(d.get(f'{k}/private/em'), 2)} / {_f(d.get(f'{k}/shared/em'), 2)}" for k, _ in ADAPTERS) + " |")
     if _plot(rounds, out / "rounds.png"):
         lines += ["", "![rounds](rounds.png)"]
+    if devs and _plot_accuracy(devs, out / "personalization.png"):
+        lines += ["", "![held-out exact match](personalization.png)"]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -105,6 +108,30 @@ def _plot(rounds: list[dict], path: Path) -> bool:
     b.legend(loc="lower right")
     for ax in (a, b):
         ax.set_xticks([r["round"] for r in rounds])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_accuracy(devs: list[dict], path: Path) -> bool:
+    """Mean held-out exact match per adapter, private and shared side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shown = [(k, label) for k, label in ADAPTERS if f"{k}/private/em" in devs[0]]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for j, split in enumerate(("private", "shared")):
+        means = [100 * sum(d[f"{k}/{split}/em"] for d in devs) / len(devs) for k, _ in shown]
+        ax.bar([i + 0.4 * j for i in range(len(shown))], means, width=0.4, label=f"{split} questions")
+    ax.set_xticks([i + 0.2 for i in range(len(shown))], [label for _, label in shown], fontsize=8)
+    ax.set_ylabel("held-out exact match (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

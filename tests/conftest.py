@@ -30,3 +30,18 @@ def node_web() -> Path:
     except SetupError as e:
         pytest.fail(str(e))
     return WEB
+
+
+LOW_BATTERY = "t_s,percent,charging,temp_c\n0,10,0,30\n100000,10,0,30\n"     # 10% all along: the gate pauses
+
+
+@pytest.fixture(scope="session")
+def federation(tmp_path_factory, shared_data) -> tuple[Path, Path]:
+    """The federated tests' tiny GPT-2 bundle (runs never write into a bundle) and a low-battery replay trace."""
+    from tests.bundle_helpers import build_tiny_bundle
+
+    root = tmp_path_factory.mktemp("federation")
+    _, bundle = build_tiny_bundle("gpt2", root)
+    low = root / "low.csv"
+    low.write_text(LOW_BATTERY)
+    return bundle, low

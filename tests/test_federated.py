@@ -26,7 +26,6 @@ from ort_trainer import checkpoint
 from ort_trainer import manifest as mf
 from ort_trainer.adapter import load_lora, to_peft
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import build_tiny_bundle
 from tests.conftest import REPO
 
 DEVICES, ROUNDS, LOCAL_STEPS = 10, 3, 2
@@ -34,11 +33,9 @@ PAUSED, HOT = 3, 7          # device 3: battery at 10% all along; device 7: too 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_data):
+def setup(tmp_path_factory, federation):
     root = tmp_path_factory.mktemp("federated")
-    _, bundle = build_tiny_bundle("gpt2", root)
-    low = root / "low.csv"
-    low.write_text("t_s,percent,charging,temp_c\n0,10,0,30\n100000,10,0,30\n")
+    bundle, low = federation
     hot = root / "hot.csv"
     hot.write_text("t_s,percent,charging,temp_c\n0,80,0,30\n3600,80,0,50\n7200,80,0,35\n")
     return root, bundle, low, hot

@@ -27,7 +27,6 @@ import pytest
 from federated import state as fstate
 from ort_trainer.adapter import to_peft
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import build_tiny_bundle
 from tests.conftest import REPO
 
 DEVICES, ROUNDS, LOCAL_STEPS = 2, 2, 2
@@ -130,14 +129,14 @@ def _npz(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
+def deployed(tmp_path_factory, federation):
     """One run on the deployment engine; (bundle, out, processes, seconds the `flwr run` took)."""
     for tool in ("flower-superlink", "flower-supernode", "flower-superexec", "flwr", "flwr-serverapp",
                  "flwr-clientapp"):
         if not (BIN / tool).exists():
             pytest.fail(f"{BIN / tool} not found: pip install -e '.[federated]'")
     root = tmp_path_factory.mktemp("deployment")
-    _, bundle = build_tiny_bundle("gpt2", root)
+    bundle, _ = federation
     out = root / "out"
     settings = root / "settings.json"
     settings.write_text(json.dumps({"bundle": str(bundle), "devices": DEVICES, "rounds": ROUNDS,

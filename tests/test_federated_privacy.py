@@ -19,7 +19,6 @@ from federated import state as fstate
 from ort_trainer import manifest as mf
 from ort_trainer.adapter import load_lora
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import build_tiny_bundle
 from tests.conftest import REPO
 
 DEVICES, ROUNDS, PAUSED = 4, 2, 2
@@ -27,12 +26,9 @@ NOISE, CLIP, DELTA = 0.5, 0.02, 1e-5
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, shared_data):
-    root = tmp_path_factory.mktemp("federated-dp")
-    _, bundle = build_tiny_bundle("gpt2", root)
-    low = root / "low.csv"
-    low.write_text("t_s,percent,charging,temp_c\n0,10,0,30\n100000,10,0,30\n")
-    out = root / "out"
+def run(tmp_path_factory, federation):
+    bundle, low = federation
+    out = tmp_path_factory.mktemp("federated-dp") / "out"
     argv = [sys.executable, "-m", "pocketlora_cli", "federate", "--bundle", str(bundle), "--devices", str(DEVICES),
             "--rounds", str(ROUNDS), "--out", str(out), "--local-steps", "1", "--micro-batch", "2", "--lr", "5e-3",
             "--personalize-steps", "0", "--device-battery", f"{PAUSED}=replay:{low}", "--keep-updates",

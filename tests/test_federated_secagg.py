@@ -41,7 +41,7 @@ from ort_trainer import checkpoint
 from ort_trainer import manifest as mf
 from ort_trainer.adapter import load_lora
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import SEQ_LEN, build_tiny_bundle
+from tests.bundle_helpers import SEQ_LEN
 from tests.conftest import REPO
 
 DEVICES, ROUNDS, PAUSED, MICRO_BATCH = 4, 2, 2, 2
@@ -59,11 +59,9 @@ def _argv(bundle, out, low, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shared_data):
+def runs(tmp_path_factory, federation):
     root = tmp_path_factory.mktemp("federated-secagg")
-    _, bundle = build_tiny_bundle("gpt2", root)
-    low = root / "low.csv"
-    low.write_text("t_s,percent,charging,temp_c\n0,10,0,30\n100000,10,0,30\n")
+    bundle, low = federation
     wall = {}
     for name, extra in (("secure", ["--secagg"]), ("plain", [])):
         t0 = time.time()
