@@ -31,6 +31,7 @@ from ort_trainer import checkpoint
 from ort_trainer import manifest as mf
 from ort_trainer.adapter import load_lora
 from ort_trainer.bundle import Bundle, open_bundle
+from ort_trainer.memory import trim_heap
 
 from . import data as fdata
 from .aggregate import a_names, b_names
@@ -221,49 +222,56 @@ def train_round(cfg: FederateConfig, out: str | Path, device: int, rnd: int,
 
 # -- evaluation and personalization ---------------------------------------------------------------
 
-class Evaluator:
-    """For any adapter, on the answer tokens of a chat .jsonl file: mean NLL per answer token and next-token
-    accuracy (teacher-forced, the eval graph), and exact match of the greedy answer (the bundle's KV-cache decoder,
-    as the demo scores). One eval session and one decoder (the LoRA tensors are inputs of both), one tokenizer."""
+def _held_out(path: Path) -> list[tuple[str, str]]:
+    """(question, answer) of each record of a held-out chat .jsonl file."""
+    return [(r["messages"][0]["content"], r["messages"][1]["content"])
+            for r in map(json.loads, path.read_text().splitlines()) if r]
 
-    def __init__(self, bundle: Bundle, threads: int = 1, batch: int = 16, max_new_tokens: int = 16):
-        from ort_trainer.decoder import Decoder
-        from ort_trainer.session import EvalSession, RuntimeOptions
-        from ort_trainer.tokenizer import TextTokenizer
 
-        self.bundle, self.batch, self.max_new_tokens = bundle, batch, max_new_tokens
-        self.tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
-        self.session = EvalSession(bundle, {}, RuntimeOptions(threads))
-        self.decoder = Decoder(bundle, RuntimeOptions(threads))
-        self._examples: dict[Path, tuple[list, list[tuple[str, str]]]] = {}
+def evaluate_adapters(bundle: Bundle, adapters: dict[str, dict[str, np.ndarray]], files: dict[str, Path],
+                      threads: int = 1, batch: int = 16, max_new_tokens: int = 16) -> dict[str, float]:
+    """Every adapter on every held-out chat file: mean NLL per answer token and next-token accuracy (teacher-forced,
+    the eval graph), then exact match of the greedy answer (the bundle's KV-cache decoder, as the demo scores).
+    The two sessions run one after the other, the first released before the second is built: each holds its own
+    prepacked copy of the weights. -> {"<adapter>/<split>/loss|acc|em": value}."""
+    from eval.answers import answers, exact
+    from ort_trainer.batching import collate
+    from ort_trainer.decoder import Decoder
+    from ort_trainer.records import load_examples
+    from ort_trainer.session import EvalSession, RuntimeOptions
+    from ort_trainer.tokenizer import TextTokenizer
 
-    def __call__(self, lora: dict[str, np.ndarray], path: Path) -> dict:
-        from eval.answers import answers, exact
-        from ort_trainer.batching import collate
-        from ort_trainer.records import load_examples
-
-        if path not in self._examples:
-            qa = [(r["messages"][0]["content"], r["messages"][1]["content"])
-                  for r in map(json.loads, path.read_text().splitlines()) if r]
-            self._examples[path] = (load_examples(path, self.tok, self.bundle.manifest.seq_len)[0], qa)
-        examples, qa = self._examples[path]
-        lora = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
-        self.session.lora = lora
-        nll, right, n = 0.0, 0, 0
-        for i in range(0, len(examples), self.batch):
-            b = collate(examples[i:i + self.batch], self.tok.pad_id)
-            loss, logits = self.session.run(b, 1.0)
-            shifted = b["labels"][:, 1:]
-            targets = shifted[shifted != -100]
-            if len(targets) != len(logits):
-                raise RuntimeError(f"eval: {len(logits)} logits rows for {len(targets)} label tokens")
-            nll += loss
-            right += int(np.sum(np.argmax(logits, axis=-1) == targets))
-            n += len(targets)
-        self.decoder.use_adapter(lora)
-        said = answers(self.decoder, self.tok, [q for q, _ in qa], self.max_new_tokens, self.batch)
-        em = sum(exact(a, want) for a, (_, want) in zip(said, qa))
-        return {"loss": nll / max(n, 1), "acc": right / max(n, 1), "tokens": n, "em": em / max(len(qa), 1)}
+    tok = TextTokenizer.from_dir(bundle.tokenizer_dir)
+    adapters = {name: {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in lora.items()}
+                for name, lora in adapters.items()}
+    out: dict[str, float] = {}
+    session = EvalSession(bundle, {}, RuntimeOptions(threads))
+    for split, path in files.items():
+        examples = load_examples(path, tok, bundle.manifest.seq_len)[0]
+        for name, lora in adapters.items():
+            session.lora = lora
+            nll, right, n = 0.0, 0, 0
+            for i in range(0, len(examples), batch):
+                b = collate(examples[i:i + batch], tok.pad_id)
+                loss, logits = session.run(b, 1.0)
+                shifted = b["labels"][:, 1:]
+                targets = shifted[shifted != -100]
+                if len(targets) != len(logits):
+                    raise RuntimeError(f"eval: {len(logits)} logits rows for {len(targets)} label tokens")
+                nll += loss
+                right += int(np.sum(np.argmax(logits, axis=-1) == targets))
+                n += len(targets)
+            out[f"{name}/{split}/loss"], out[f"{name}/{split}/acc"] = nll / max(n, 1), right / max(n, 1)
+    del session
+    trim_heap()
+    decoder = Decoder(bundle, RuntimeOptions(threads))
+    for split, path in files.items():
+        qa = _held_out(path)
+        for name, lora in adapters.items():
+            decoder.use_adapter(lora)
+            said = answers(decoder, tok, [q for q, _ in qa], max_new_tokens, batch)
+            out[f"{name}/{split}/em"] = sum(exact(a, want) for a, (_, want) in zip(said, qa)) / max(len(qa), 1)
+    return out
 
 
 def final_phase(cfg: FederateConfig, out: str | Path, device: int, global_lora: dict[str, np.ndarray]) -> dict:
@@ -288,12 +296,8 @@ def final_phase(cfg: FederateConfig, out: str | Path, device: int, global_lora: 
                                           log)
         steps[name] = stats["steps"]
     result = {"device": device, "person_seed": fdata.person_seed(device), "steps": steps}
-    evaluate = Evaluator(bundle, cfg.threads)
-    for name, lora in adapters.items():
-        for split, fname in (("shared", fdata.HELDOUT_SHARED), ("private", fdata.HELDOUT_PRIVATE)):
-            r = evaluate(lora, data / fname)
-            result[f"{name}/{split}/loss"] = r["loss"]
-            result[f"{name}/{split}/acc"] = r["acc"]
-            result[f"{name}/{split}/em"] = r["em"]
+    trim_heap()          # the local runs' sessions are gone; give their pages back before evaluating
+    result.update(evaluate_adapters(bundle, adapters, {"shared": data / fdata.HELDOUT_SHARED,
+                                                       "private": data / fdata.HELDOUT_PRIVATE}, cfg.threads))
     log(f"final phase: {json.dumps(result)}")
     return result
