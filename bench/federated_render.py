@@ -21,7 +21,7 @@ def _pct(v) -> str:
 
 def render_report(p: dict, stem: str) -> str:
     lines = runs.header("Federated personalization (Flower simulation engine)", stem, "bench/federated.py",
-                        p["machine"], p.get("command"), {"raw": f"{stem}.json"})
+                        p["machine"], p.get("command"), {"raw": f"{stem}.json"}, p.get("notes", []))
     targets = []
     for name, r in p["shapes"].items():
         lines += [f"## {name}", "", f"`pocketlora {' '.join(r['argv'])}`", ""]
