@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
@@ -31,13 +31,9 @@ from . import secure
 from . import state as fstate
 from .aggregate import b_names, fedavg, ffa, product_gap
 from .config import FederateConfig
-from .privacy import CentralDP
+from .privacy import CentralDP, arrays
 
 client_app = ClientApp()
-
-
-def _arrays(tensors: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({n: Array(np.ascontiguousarray(v, dtype=np.float32)) for n, v in tensors.items()})
 
 
 def _tensors(record: ArrayRecord) -> dict[str, np.ndarray]:
@@ -77,7 +73,7 @@ def _train(msg: Message, context: Context) -> Message:
     sent, stats = dev.train_round(cfg, out, device, rnd, _tensors(msg.content["arrays"]))
     metrics = MetricRecord({"device": device, "declined": 0, "loss": stats["loss"], "tokens": stats["tokens"],
                             "examples": stats["examples"], "steps": stats["steps"]})
-    return Message(RecordDict({"arrays": _arrays(sent), "metrics": metrics, "info": info}), reply_to=msg)
+    return Message(RecordDict({"arrays": arrays(sent), "metrics": metrics, "info": info}), reply_to=msg)
 
 
 def _train_secagg(msg: Message, context: Context) -> Message:
@@ -130,9 +126,9 @@ def _wait_for_nodes(grid: Grid, n: int, timeout_s: float = 300.0) -> list[int]:
     return nodes
 
 
-def _send(grid: Grid, nodes: list[int], kind: str, arrays: dict[str, np.ndarray], cfg: FederateConfig,
+def _send(grid: Grid, nodes: list[int], kind: str, tensors: dict[str, np.ndarray], cfg: FederateConfig,
           out: Path, rnd: int) -> tuple[list[Message], int]:
-    payload = _arrays(arrays)
+    payload = arrays(tensors)
     config = ConfigRecord({"round": rnd, "out": str(out), "settings": cfg.to_json()})
     messages = [Message(RecordDict({"arrays": payload, "config": config}), message_type=kind, dst_node_id=n)
                 for n in nodes]
@@ -155,9 +151,9 @@ def _split(replies: list[Message]) -> tuple[list[tuple[int, dict, dict[str, np.n
         if metrics["declined"]:
             declined[d] = str(m.content["info"]["reason"])
             continue
-        arrays = m.content["arrays"] if "arrays" in m.content else None
-        trained.append((d, metrics, _tensors(arrays) if arrays is not None else None,
-                        arrays.count_bytes() if arrays is not None else 0))
+        record = m.content["arrays"] if "arrays" in m.content else None
+        trained.append((d, metrics, _tensors(record) if record is not None else None,
+                        record.count_bytes() if record is not None else 0))
     trained.sort(key=lambda t: t[0])
     return trained, dict(sorted(declined.items())), failed
 
@@ -212,7 +208,8 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print,
             new = {**st.lora, **released} if released is not None else None
         else:
             new = aggregate(cfg, man, st.lora, updates, weights) if updates else None
-        if new is not None:
+        aggregated = new is not None       # False: nothing to aggregate, or a DP round not released
+        if aggregated:
             full_updates = [{**st.lora, **u} for u in updates]     # FFA: A is the shared init
             gap = product_gap(man, full_updates, weights, new)
         else:
@@ -227,16 +224,9 @@ def server_loop(grid: Grid, cfg: FederateConfig, out: Path, log=print,
             "product_gap": gap, "seconds": round(time.time() - t0, 3),
         }
         if dp is not None:
-            record["dp"] = {"released": new is not st.lora, "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip,
+            record["dp"] = {"released": aggregated, "noise_multiplier": cfg.dp_noise, "clip": cfg.dp_clip,
                             **dp.spent()}
-        if cfg.keep_updates:
-            _keep(out, rnd, usable, new)
-        st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256,
-                                dp.state() if dp is not None else None)
-        fstate.save(out, st)
-        log(f"round {rnd}/{cfg.rounds}: loss {record['loss'] if record['loss'] is None else round(record['loss'], 4)}, "
-            f"{len(usable)} trained, {len(declined)} declined, {len(failed)} failed, "
-            f"{record['bytes_up'] / 1e6:.2f} MB up, {record['seconds']:.1f} s")
+        st = _persist(out, cfg, st, new, record, usable, dp.state() if dp is not None else None, log)
     if not (out / fstate.FINAL).exists():
         replies, _ = _send(grid, nodes, MessageType.EVALUATE, {n: st.lora[n] for n in names}, cfg, out,
                            cfg.rounds + 1)
@@ -266,15 +256,23 @@ def _secure_round(grid, context, cfg, out, man, st, rnd, nodes, sent, t0, log) -
     new = {**st.lora, **r.released} if r.released is not None else st.lora
     record = {"round": rnd, "strategy": cfg.strategy, "weight": cfg.weight, **r.record,
               "seconds": round(time.time() - t0, 3)}
+    return _persist(out, cfg, st, new, record, [], None, log,
+                    f" (SecAgg+, {'released' if r.released is not None else 'NOT released'})")
+
+
+def _persist(out: Path, cfg: FederateConfig, st: fstate.ServerState, new: dict[str, np.ndarray], record: dict,
+             usable, privacy: dict | None, log, how: str = "") -> fstate.ServerState:
+    """The end of every round: the new state (global adapter, records, DP accountant) written atomically, the
+    updates kept with --keep-updates, one log line."""
+    rnd = record["round"]
     if cfg.keep_updates:
-        _keep(out, rnd, [], new)
-    st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256, None)
+        _keep(out, rnd, usable, new)
+    st = fstate.ServerState(rnd, new, st.records + [record], st.config_sha256, privacy)
     fstate.save(out, st)
     loss = record["loss"] if record["loss"] is None else round(record["loss"], 4)
-    log(f"round {rnd}/{cfg.rounds} (SecAgg+): loss {loss}, {len(record['participants'])} trained, "
+    log(f"round {rnd}/{cfg.rounds}{how}: loss {loss}, {len(record['participants'])} trained, "
         f"{len(record['declined'])} declined, {len(record['failed'])} failed, "
-        f"{'released' if r.released is not None else 'NOT released'}, {record['bytes_up'] / 1e6:.2f} MB up, "
-        f"{record['seconds']:.1f} s")
+        f"{record['bytes_up'] / 1e6:.2f} MB up, {record['seconds']:.1f} s")
     return st
 
 

@@ -87,13 +87,22 @@ def write_report(cfg: FederateConfig, out: Path) -> Path:
     return path
 
 
-def _plot(rounds: list[dict], path: Path) -> bool:
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed (the report's plots are
+    then left out)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _plot(rounds: list[dict], path: Path) -> bool:
+    plt = _pyplot()
+    if plt is None:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     xs = [r["round"] for r in rounds if r["loss"] is not None]
@@ -116,12 +125,8 @@ def _plot(rounds: list[dict], path: Path) -> bool:
 
 def _plot_accuracy(devs: list[dict], path: Path) -> bool:
     """Mean held-out exact match per adapter, private and shared side by side."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     shown = [(k, label) for k, label in ADAPTERS if f"{k}/private/em" in devs[0]]
     fig, ax = plt.subplots(figsize=(7, 3.2))
