@@ -10,7 +10,7 @@ head_dim].
 The frozen weights are the training graphs' own: the decoder is traced from the same PEFT model, named, fixed and
 quantized by the same passes, and each initializer is then pointed at the shard bytes that already hold it, after
 checking that the bytes are equal (link_to_shards). No weight is stored twice; a quantized bundle's decoder
-dequantizes just in time like its training graphs.
+multiplies by the codes themselves (MatMulNBits: nbits.py) instead of dequantizing them.
 
 Gemma3's sliding-window layers keep their whole cache here and apply the window in the attention mask (the same
 function as transformers' sliding cache, which drops the old entries instead).
@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from ort_trainer import manifest as mf
 
-from . import graph_fixes, quantize
+from . import graph_fixes, nbits, quantize
 from .export import ExportError, fusable_gelu, traceable_masks
 from .families import Family
 from .shards import MIN_EXTERNAL_BYTES
@@ -123,8 +123,9 @@ def fix_decoder(model: onnx.ModelProto, sources: dict[str, np.ndarray], train: l
     for t in train:               # plain inputs: onnxruntime-web cannot feed an initializer that is also an input
         model.graph.initializer.remove(inits[t.onnx_name])
         model.graph.input.append(helper.make_tensor_value_info(t.onnx_name, onnx.TensorProto.FLOAT, t.shape))
-    model, _ = quantize.quantize_forward(model, quant, quant_block, {t.onnx_name for t in train},
-                                         graph_fixes.TRANSPOSED, exact)
+    model, weights = quantize.quantize_forward(model, quant, quant_block, {t.onnx_name for t in train},
+                                               graph_fixes.TRANSPOSED, exact)
+    model, _ = nbits.fuse(model, weights)       # one token at a time: multiply by the codes, never dequantize
     return model
 
 

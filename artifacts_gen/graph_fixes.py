@@ -26,6 +26,7 @@ from onnx import helper, numpy_helper
 from ort_trainer.manifest import Trainable
 
 from .export import ExportError
+from .recompute import drop_dead
 
 TRANSPOSED = ".T"
 
@@ -68,7 +69,7 @@ def split_value_merges(model: onnx.ModelProto) -> list[str]:
         g.node.remove(node)
         split.append(copy.name)
     if split:
-        _drop_dead(model)
+        drop_dead(model.graph)
     return split
 
 
@@ -268,24 +269,8 @@ def drop_causal_where(model: onnx.ModelProto) -> int:
     for node in removed:
         g.node.remove(node)
     if removed:
-        _drop_dead(model)
+        drop_dead(model.graph)
     return len(removed)
-
-
-def _drop_dead(model: onnx.ModelProto) -> None:
-    """Nodes none of whose outputs is read, and initializers nothing reads, until none is left."""
-    g = model.graph
-    keep = {o.name for o in g.output}
-    while True:
-        read = {i for n in g.node for i in n.input} | keep
-        dead = [n for n in g.node if not any(o in read for o in n.output if o)]
-        if not dead:
-            break
-        for n in dead:
-            g.node.remove(n)
-    read = {i for n in g.node for i in n.input} | keep
-    for init in [i for i in g.initializer if i.name not in read]:
-        g.initializer.remove(init)
 
 
 def layernorm_stats(model: onnx.ModelProto) -> int:

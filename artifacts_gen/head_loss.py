@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .export import ExportError
 from .quantize import ZERO, gate_nodes, gather_dequantized
+from .recompute import drop_dead
 
 STOP_SCALE = 2.0 ** 40
 DEFAULT_CHUNKS = 8      # at most this many row slices ...
@@ -165,7 +166,7 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
         node.name = f"{p}{node.op_type}_{i}"      # named, so that a profile tells the head's kernels apart
     g.node.extend(nodes)
     if quant:
-        _drop_dead(g)              # the whole head's DequantizeLinear, read by nothing now
+        drop_dead(g)              # the whole head's DequantizeLinear, read by nothing now
     elif len(w_slices) > 1:
         _route_gathers(g, w, w_slices)
 
@@ -183,22 +184,6 @@ def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str, int] | None
         scale = producer[scale].input[0]
     block = next((a.i for a in dq.attribute if a.name == "block_size"), 0)
     return (dq.input[0], scale, block) if scale in inits else None
-
-
-def _drop_dead(g: onnx.GraphProto) -> None:
-    """Remove the nodes none of whose outputs is read or a graph output (repeatedly), and unread initializers."""
-    outputs = {o.name for o in g.output}
-    while True:
-        read = {x for n in g.node for x in n.input} | outputs
-        keep = [n for n in g.node if any(o in read for o in n.output)]
-        if len(keep) == len(g.node):
-            break
-        del g.node[:]
-        g.node.extend(keep)
-    read = {x for n in g.node for x in n.input}
-    unread = [i for i in g.initializer if i.name not in read]
-    for i in unread:
-        g.initializer.remove(i)
 
 
 def vocab_slice_width(vocab: int, vocab_cols: int = VOCAB_COLS) -> int:

@@ -2,9 +2,17 @@
 
 Modes (`pocketlora gen --quant`):
   none  float32, as the source holds them
-  int8  per output column, symmetric: W[:, n] = q[:, n] * s[n], q in [-127, 127]  (DequantizeLinear, axis 1)
-  int4  per block of `block` rows (default 32) of one column, symmetric: W[k, n] = q[k, n] * s[k // block, n],
-        q in [-8, 7]  (DequantizeLinear-21 with block_size; the graphs are converted to opset 21, to_opset)
+  int8  per output, symmetric: W[k, n] = q[k, n] * s[n], q in [-127, 127]
+  int4  per block of `block` inputs (default 32) of one output, asymmetric: W[k, n] = q[n, k] * s[n, k // block]
+        + o[n, k // block], q in [0, 15]  (DequantizeLinear-21 with block_size; the graphs go to opset 21, to_opset)
+  keep  a GGUF source's own blocks (gguf_exact.py)
+
+Layout: the graphs read W [in, out] (MatMul's B). 4-bit codes are stored transposed, [out, in] with the blocks
+along in, as GGUF stores them and as ORT's MatMulNBits reads them, so the decoder multiplies by the very bytes the
+training graphs dequantize (nbits.py); the training graphs dequantize [out, in] and Transpose (ORT fuses the
+Transpose into the MatMul: FusedMatMul or Gemm with transB). 8-bit codes stay [in, out]: ORT 1.19's training
+session rewrites a Transpose of an int8 DequantizeLinear into a QuantizeLinear of the wrong type and fails to start
+(measured 2026-12-06), so the decoder transposes them once when its session starts.
 
 What: every frozen weight read as the B input of a MatMul (Qwen2's and Gemma3's nn.Linear, stored W.T) or of a
 Gemm without transB (GPT-2's Conv1D). The LoRA tensors, norms and biases stay float32, and so (for now) do the
@@ -106,14 +114,14 @@ def dequantize_array(codes: np.ndarray, scale: np.ndarray, block: int = 0, axis:
                      offset: np.ndarray | None = None) -> np.ndarray:
     """The float32 weight a quantized weight stands for: codes * scale (+ offset), with one scale per column
     (axis 1, block 0), per row (axis 0, block 0), or per `block` entries along `axis`."""
-    scale = np.asarray(scale, dtype=np.float32)
+    groups = np.asarray(scale, dtype=np.float32)
     if block:
-        scale = np.repeat(scale, block, axis=axis)
+        groups = np.repeat(groups, block, axis=axis)
     elif axis == 0:
-        scale = scale[:, None]
-    w = codes.astype(np.float32) * scale
-    if offset is not None:
-        w = w + np.repeat(np.asarray(offset, dtype=np.float32).reshape(scale.shape[0] // block, -1), block, axis=0)
+        groups = groups[:, None]
+    w = codes.astype(np.float32) * groups
+    if offset is not None:       # one per scale (stored with a trailing axis of 1 for the graphs' broadcast)
+        w = w + np.repeat(np.asarray(offset, dtype=np.float32).reshape(np.shape(scale)), block, axis=axis)
     return w
 
 
@@ -194,10 +202,10 @@ def _reads_as_b(n: onnx.NodeProto, name: str) -> bool:
     return n.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in n.attribute)
 
 
-def _dq_node(codes: str, scale: str, out: str, name: str, block: int, axis: int = 0) -> onnx.NodeProto:
+def _dq_node(codes: str, scale: str, out: str, name: str, block: int, axis: int) -> onnx.NodeProto:
     if block:
         return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=axis, block_size=block)
-    return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=1)
+    return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=axis)
 
 
 def _codes_tensor(codes: np.ndarray, name: str, dtype: str) -> TensorProto:
@@ -209,8 +217,8 @@ def _codes_tensor(codes: np.ndarray, name: str, dtype: str) -> TensorProto:
 
 
 def _exact_for(name: str, w: np.ndarray, source_key: str, transposed: bool, exact: dict | None):
-    """The GGUF's exact blocks of a weight in the graph's layout (codes, scale, offset, block, format), or None
-    when the source has none for it. The blocks must give the weights the graph holds, bit for bit."""
+    """The GGUF's exact blocks of a weight (gguf_exact.ExactBlocks, in the GGUF's layout: the source parameter's), or
+    None when the source has none for it. The blocks must give the weights the graph holds, bit for bit."""
     ex = (exact or {}).get(source_key)
     if ex is None:
         return None
@@ -220,9 +228,7 @@ def _exact_for(name: str, w: np.ndarray, source_key: str, transposed: bool, exac
     if values.shape != w.shape or not np.array_equal(values.view(np.uint32), w.view(np.uint32)):
         raise QuantError(f"{source_key}: the GGUF's {ex.fmt} blocks do not give the weights the source loaded "
                          "(a converter changed them); build with --quant int8 or int4 instead.")
-    if not transposed:
-        return ex.codes, ex.scale, ex.offset, ex.block, ex.fmt, 1
-    return (ex.codes.T, ex.scale.T, None if ex.offset is None else ex.offset.T, ex.block, ex.fmt, 0)
+    return ex
 
 
 def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[str], transposed_suffix: str,
@@ -248,39 +254,52 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
         source_key = name[: -len(transposed_suffix)] if transposed else name
         offset, fmt = None, ""
         if mode == "keep":
-            found = _exact_for(name, w, source_key, transposed, exact)
-            if found is None or found[5] != 0:          # blocks must run along the input features (axis 0)
+            ex = _exact_for(name, w, source_key, transposed, exact)
+            if ex is None or not transposed:     # blocks must run along the input features: W.T of a [out, in]
                 continue
-            codes, scale, offset, use_block, fmt, _ = found
+            codes, scale, offset, use_block, fmt = ex.codes, ex.scale, ex.offset, ex.block, ex.fmt   # [out, in]
             dtype = "uint4" if fmt == "Q4_K" else "int8"
+            out_in = dtype == "uint4"
+            if not out_in:
+                codes, scale = codes.T, scale.T
         elif mode == "int4" and w.shape[0] % block:
             continue                                   # int4 blocks must tile the rows; this weight stays float32
         else:
-            codes, scale, offset = quantize_array(w, mode, block)
+            codes, scale, offset = quantize_array(w, mode, block)                                      # [in, out]
             use_block = block if mode == "int4" else 0
             dtype = "uint4" if mode == "int4" else "int8"
+            out_in = dtype == "uint4"
+            if out_in:
+                codes, scale, offset = codes.T, scale.T, offset.T
         g.initializer.remove(init)
-        g.initializer.extend([_codes_tensor(codes, name + CODES, dtype), numpy_helper.from_array(scale, name + SCALE)])
+        g.initializer.extend([_codes_tensor(np.ascontiguousarray(codes), name + CODES, dtype),
+                              numpy_helper.from_array(np.ascontiguousarray(scale), name + SCALE)])
         p = f"{PREFIX}{k}/"
         nodes = gate_nodes(name + SCALE, g.node[reader].input[0], p, ZERO)
+        # [out, in]: blocks along axis 1 of the codes; [in, out]: blocks along axis 0, or one scale per column
+        axis = (1 if out_in else 0) if use_block else 1
+        dq_out = p + "wt" if out_in else name
         if offset is None:
-            nodes.append(_dq_node(name + CODES, p + "x", name, p + "dq", use_block))
-        else:       # int4, Q4_K: + offset per block (Q4_K: added as gguf-py subtracts dmin * m; x + (-y) == x - y)
+            nodes.append(_dq_node(name + CODES, p + "x", dq_out, p + "dq", use_block, axis))
+        else:       # uint4 [out, in] (int4, Q4_K): + offset per block (Q4_K's -dmin * m; x + (-y) == x - y)
             kk, nn = w.shape
             g.initializer.extend([
-                numpy_helper.from_array(offset.reshape(kk // use_block, 1, nn).astype(np.float32), name + OFFSET),
-                numpy_helper.from_array(np.array([kk // use_block, use_block, nn], np.int64), p + "blocks_shape"),
-                numpy_helper.from_array(np.array([kk, nn], np.int64), p + "w_shape")])
-            nodes += [_dq_node(name + CODES, p + "x", p + "scaled", p + "dq", use_block),
+                numpy_helper.from_array(np.ascontiguousarray(offset).reshape(nn, kk // use_block, 1).astype(np.float32),
+                                        name + OFFSET),
+                numpy_helper.from_array(np.array([nn, kk // use_block, use_block], np.int64), p + "blocks_shape"),
+                numpy_helper.from_array(np.array([nn, kk], np.int64), p + "w_shape")])
+            nodes += [_dq_node(name + CODES, p + "x", p + "scaled", p + "dq", use_block, axis),
                       helper.make_node("Reshape", [p + "scaled", p + "blocks_shape"], [p + "blocks"], name=p + "blocks"),
                       helper.make_node("Add", [p + "blocks", name + OFFSET], [p + "shifted"], name=p + "offset"),
-                      helper.make_node("Reshape", [p + "shifted", p + "w_shape"], [name], name=p + "w")]
+                      helper.make_node("Reshape", [p + "shifted", p + "w_shape"], [dq_out], name=p + "w")]
+        if out_in:
+            nodes.append(helper.make_node("Transpose", [dq_out], [name], name=p + "t", perm=[1, 0]))
         inserts.setdefault(reader, []).extend(nodes)
         entries.append(mf.QuantizedWeight(
             onnx_name=name, source_key=source_key, transposed=transposed,
             shape=[int(d) for d in init.dims], codes=name + CODES, scale=name + SCALE,
-            dtype=dtype, axis=0 if use_block else 1, block=use_block,
-            offset=name + OFFSET if offset is not None else "", source_format=fmt))
+            dtype=dtype, axis=axis, block=use_block,
+            offset=name + OFFSET if offset is not None else "", source_format=fmt, codes_transposed=out_in))
     if entries:
         insert_before(g, inserts)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
@@ -348,10 +367,10 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = 
         w = numpy_helper.to_array(init)
         block, fmt = 0, ""
         if exact is not None:
-            found = _exact_for(name, w, name, False, exact)
-            if found is None or found[2] is not None:       # kept float32 (no blocks, or Q4_K's offsets)
+            ex = _exact_for(name, w, name, False, exact)
+            if ex is None or ex.offset is not None:         # kept float32 (no blocks, or Q4_K's offsets)
                 continue
-            codes, scale, _, block, fmt, _ = found
+            codes, scale, block, fmt = ex.codes, ex.scale, ex.block, ex.fmt
         else:
             codes, scale, _ = quantize_array(w, "int8-rows")
         g.initializer.remove(init)
@@ -384,19 +403,21 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = 
     return entries
 
 
-def _chain(g: onnx.GraphProto, produced_by: dict[str, int], w: str) -> list[onnx.NodeProto] | None:
-    """The nodes computing weight w from its DequantizeLinear, first to last (one node, or Q4_K's DQ, Reshape, Add
-    of the offset, Reshape), or None when w is not dequantized."""
-    chain, name = [], w
-    while name in produced_by:
-        node = g.node[produced_by[name]]
-        chain.insert(0, node)
-        if node.op_type == "DequantizeLinear":
-            return chain
-        if node.op_type not in ("Reshape", "Add") or len(chain) > 4:
-            return None
-        name = node.input[0]
-    return None
+def _forward_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int]) -> dict[str, list[onnx.NodeProto]]:
+    """The float32 weight each forward DequantizeLinear of `codes` ends in -> the nodes computing it, first to last
+    (the DQ; for an offset per block its Reshape, Add, Reshape; for codes stored [out, in] a Transpose, unless ORT's
+    pre-training optimizer fused it into a Gemm's transB)."""
+    out = {}
+    for i, n in enumerate(g.node):
+        if n.op_type != "DequantizeLinear" or n.input[0] not in codes or i in bwd:
+            continue
+        chain, w = [n], n.output[0]
+        while (len(read_by[w]) == 1 and read_by[w][0] not in bwd
+               and g.node[read_by[w][0]].op_type in ("Reshape", "Add", "Transpose")):
+            chain.append(g.node[read_by[w][0]])
+            w = chain[-1].output[0]
+        out[w] = chain
+    return out
 
 
 def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
@@ -405,16 +426,13 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
     backward reader with no backward input (e.g. a Transpose of W alone) is gated through its own readers'.
     In place; -> how many readers were rewired."""
     g = model.graph
-    weights = set(weights)
     read_by = readers(g)
     bwd = backward_nodes(g, read_by)
     produced_by = {o: i for i, n in enumerate(g.node) for o in n.output}
-    chains = {w: _chain(g, produced_by, w) for w in weights if w in produced_by}
+    chains = _forward_chains(g, {w + CODES for w in weights}, read_by, bwd)
     inserts: dict[int, list[onnx.NodeProto]] = {}
     count = 0
     for w, chain in chains.items():
-        if chain is None:
-            continue
         node = chain[0]
         for j in [j for j in read_by[w] if j in bwd]:
             reader = g.node[j]
@@ -466,5 +484,7 @@ def dequantized_weights(bundle_dir, quant: mf.QuantSpec) -> dict[str, np.ndarray
     for q in quant.weights:
         w = dequantize_array(read_tensor(inits[q.codes], str(bundle_dir)), read_tensor(inits[q.scale], str(bundle_dir)),
                              q.block, q.axis, read_tensor(inits[q.offset], str(bundle_dir)) if q.offset else None)
-        out[q.source_key] = np.ascontiguousarray(w.T) if q.transposed else w
+        if q.codes_transposed:
+            w = w.T                                   # -> the onnx tensor
+        out[q.source_key] = np.ascontiguousarray(w.T if q.transposed else w)
     return out

@@ -44,6 +44,22 @@ def readers(g: onnx.GraphProto) -> defaultdict[str, list[int]]:
     return out
 
 
+def drop_dead(g: onnx.GraphProto) -> None:
+    """Remove the nodes none of whose outputs is read or a graph output (repeatedly), and unread initializers."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {x for n in g.node for x in n.input} | outputs
+        keep = [n for n in g.node if any(o in read for o in n.output if o)]
+        if len(keep) == len(g.node):
+            break
+        del g.node[:]
+        g.node.extend(keep)
+    read = {x for n in g.node for x in n.input}
+    unread = [i for i in g.initializer if i.name not in read]
+    for i in unread:
+        g.initializer.remove(i)
+
+
 def backward_nodes(g: onnx.GraphProto, read_by: dict[str, list[int]] | None = None) -> set[int]:
     """Indices of the gradient graph's nodes: those ORT's gradient builder names *_Grad/* or whose outputs are
     *_grad tensors, and everything downstream of them (rewrites such as slow_kernels' add unnamed nodes)."""

@@ -8,10 +8,13 @@ trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer st
 (the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the process's VmHWM.
 Bundle weights: the shard files (weights-*.bin). Random weights say nothing about quality (see docs/STATUS.md).
 
-    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--no-lowmem] [--quick]
-                               [--no-doc]
+    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--no-budget] [--no-lowmem]
+                               [--quick] [--no-doc]
 
-Last, Qwen2.5-0.5B int4 trains with --memory low at 1x8 inside a cgroup-v1 memory cgroup capped at 0.6 GB.
+Then per shape the int4 bundle trains once more with `--memory-budget` set to its peak-RSS goal: the runner measures
+micro-batches of 1 and 2 sequences and picks the largest split of the effective batch 8 predicted to fit; reported:
+that split, its peak RSS and tok/s (the same measurement as above). Last, Qwen2.5-0.5B int4 trains with --memory low
+at 1x8 inside a cgroup-v1 memory cgroup capped at 0.6 GB.
     python -m bench.quant_base --rerender [--run JSON]
 
 The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/runs.py).
@@ -19,6 +22,7 @@ The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/r
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -55,6 +59,16 @@ def lowmem(bundle: str, data: Path, sub: Path, steps: int) -> dict:
     return {"cap_bytes": cap, **rec}
 
 
+def budget_run(bundle: str, data: Path, sub: Path, steps: int, goal_bytes: float, out: Path) -> dict:
+    """The int4 bundle trained at effective batch 8 with --memory-budget at the goal (in MiB): the runner's own
+    split under it, read from its log ("-> micro-batch M x accum A")."""
+    budget_mib = int(goal_bytes / 2**20)
+    rec = run_one("native", bundle, data, 2, 4, steps, out, flags=["--memory-budget", str(budget_mib)])
+    log_text = out.with_suffix(".log").read_text(errors="replace") if out.with_suffix(".log").is_file() else ""
+    m = re.search(r"-> micro-batch (\d+) x accum (\d+)", log_text)
+    return {"budget_mib": budget_mib, **rec, **({"split": [int(m.group(1)), int(m.group(2))]} if m else {})}
+
+
 def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
     setup = setup_shape(name, sub, quick)
     if setup.get("ok") is False:
@@ -72,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per run, after one warm-up step (default 3)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of none, int8, int4 (default 2)")
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
+    ap.add_argument("--no-budget", action="store_true", help="skip the int4 runs under --memory-budget at the goal")
     ap.add_argument("--no-lowmem", action="store_true", help=f"skip {LOWMEM[0]} {LOWMEM[1]} under the capped "
                     "--memory low run")
     args = runs.parse(ap, argv, WHAT, render_report)
@@ -104,6 +119,12 @@ def main(argv=None) -> int:
             e["tok_s_median"] = statistics.median(t / s for x in ok for t, s in zip(x["tokens"], x["step_s"])) if ok else None
             e["peak_rss_max"] = max((x["peak_rss"] for x in ok), default=None)
         payload["shapes"][name] = entry
+        if not args.no_budget and GOALS.get(name):
+            log(f"{name}: int4 under --memory-budget {GOALS[name][1] / 1e9:.1f} GB")
+            r = entry["budget"] = budget_run(b["int4"], data, sub, args.steps, GOALS[name][1],
+                                             sub / f"{name}-budget-run")
+            log("   " + (f"split {r.get('split')}, {r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB"
+                         if "error" not in r else f"FAILED: {r['error'][-300:]}"))
         if name == LOWMEM[0] and not args.no_lowmem:
             log(f"{name}: {LOWMEM[1]} under --memory low, capped at {LOWMEM[2] / 1e9:.1f} GB")
             payload["lowmem"] = {"shape": name, "mode": LOWMEM[1], **lowmem(b[LOWMEM[1]], data, sub, args.steps)}

@@ -50,6 +50,25 @@ def render_report(p: dict, run: str) -> str:
                 f"{f'<= {goals[1] / 1e9:.2f}: ' + _verdict(x['peak_rss_max'], goals[1]) if four and goals[1] else ''} | "
                 f"{'FAILED' if tok is None else f'{tok:.1f}'} | {'—' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'' if m == 'none' or ratio is None else ('met' if ratio >= p['target_ratio'] else 'MISSED')} |")
+    budget = {n: e["budget"] for n, e in p["shapes"].items() if "budget" in e}
+    if budget:
+        lines += ["", "## int4 under --memory-budget at the peak-RSS goal", "",
+                  "The int4 bundle trained once more at effective batch 8 with `--memory-budget` set to the goal: the "
+                  "runner measures micro-batches of 1 and 2 and keeps the largest split predicted to fit.", "",
+                  "| shape | budget MiB | split chosen | peak RSS GB | goal | tok/s | vs none at its split |",
+                  "|---|---:|---|---:|---|---:|---:|"]
+        for name, r in budget.items():
+            goal = (p["shapes"][name].get("goals") or [None, None])[1]
+            base = p["shapes"][name]["modes"]["none"]["tok_s_median"]
+            if "error" in r:
+                lines.append(f"| {name} | {r['budget_mib']:,} | FAILED (exit {r.get('exit')}): "
+                             f"{(r['error'].splitlines() or ['?'])[-1][:160]} |||||")
+                continue
+            split = "x".join(map(str, r["split"])) if r.get("split") else "?"
+            ratio = "—" if not base else f"{r['tok_s'] / base:.2f}x"
+            lines.append(f"| {name} | {r['budget_mib']:,} | {split} | {_gb(r['peak_rss'])} | "
+                         f"<= {goal / 1e9:.2f}: {_verdict(r['peak_rss'], goal)} | {r['tok_s']:.1f} | "
+                         f"{ratio} |")
     if "lowmem" in p:
         r = p["lowmem"]
         what = (f"FAILED (exit {r.get('exit')}): {(r['error'].splitlines() or ['?'])[-1][:200]}" if "error" in r else

@@ -112,6 +112,8 @@ class QuantizedWeight:
     block: int               # entries per scale block along `axis` (0: one scale per column, or per row if axis 0)
     offset: str = ""         # initializer added per block after scaling (a GGUF Q4_K's -dmin * m), or none
     source_format: str = ""  # the GGUF block format kept exactly (--quant keep: Q8_0, Q5_0, Q6_K, Q4_K)
+    codes_transposed: bool = False   # codes, scales and offsets hold the onnx tensor's transpose: a linear weight's
+                                     # [out, in] with blocks along in (GGUF's and MatMulNBits' layout; since 12-06)
 
 
 @dataclass
@@ -119,10 +121,11 @@ class QuantSpec:
     mode: str = "none"       # none | int8 | int4 | keep (artifacts_gen/quantize.py)
     block: int = 0           # int4's rows per scale block
     weights: list[QuantizedWeight] = field(default_factory=list)
-    note: str = ("weight = codes * scale (+ offset) per `block` entries along `axis` (block 0: one scale per column, "
-                 "or per row when axis is 0), dequantized in the graphs just before each use; int8: linear weights per "
-                 "column; int4: per block of rows; keep: a GGUF source's blocks as they are; embedding and LM head: "
-                 "int8 per row (keep: their GGUF blocks); LoRA, norms and biases are float32")
+    note: str = ("weight = codes * scale (+ offset) per `block` entries along `axis` of the codes (block 0: one scale "
+                 "per column, or per row when axis is 0), transposed if codes_transposed, dequantized in the graphs "
+                 "just before each use; linear weights' codes are [out, in]: int8 one scale per output, int4 per block "
+                 "of inputs; keep: a GGUF source's blocks as they are; embedding and LM head: int8 per row (keep: "
+                 "their GGUF blocks); LoRA, norms and biases are float32")
 
 
 @dataclass

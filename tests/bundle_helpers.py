@@ -113,6 +113,13 @@ def head_weight_views(bundle) -> tuple[str, list[str]]:
     return whole.name, [v.name for v in views]
 
 
+def is_vocab(w) -> bool:
+    """A quantized lookup table / LM head [V, H] (token or position embedding): one scale per row (axis 0), or a
+    GGUF's blocks along H (axis 1). A linear layer's codes: 4-bit [out, in] (codes_transposed), or 8-bit [in, out]
+    with one scale per column (axis 1) or blocks along in (axis 0)."""
+    return not w.codes_transposed and (w.axis == 0) == (w.block == 0)
+
+
 def eval_initializers(bundle) -> dict[str, onnx.TensorProto]:
     model = onnx.load(str(bundle.file(mf.EVAL_MODEL)))            # external data loaded by onnx itself
     return {i.name: i for i in model.graph.initializer}
@@ -125,14 +132,17 @@ def dequantized_here(bundle) -> dict[str, np.ndarray]:
     for q in bundle.manifest.quant.weights:
         codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
         scale = numpy_helper.to_array(inits[q.scale])
+        groups = scale
         if q.block:
-            scale = np.repeat(scale, q.block, axis=q.axis)
+            groups = np.repeat(scale, q.block, axis=q.axis)
         elif q.axis == 0:
-            scale = scale[:, None]
-        w = codes * scale
-        if q.offset:                                          # added per block of rows after scaling
-            offset = numpy_helper.to_array(inits[q.offset]).reshape(-1, codes.shape[1])
-            w = w + np.repeat(offset, q.block, axis=0)
+            groups = scale[:, None]
+        w = codes * groups
+        if q.offset:                                          # added per block after scaling, one per scale
+            offset = numpy_helper.to_array(inits[q.offset]).reshape(scale.shape)
+            w = w + np.repeat(offset, q.block, axis=q.axis)
+        if q.codes_transposed:                                # codes [out, in] -> the onnx tensor [in, out]
+            w = w.T
         out[q.source_key] = w.T if q.transposed else w
     return out
 

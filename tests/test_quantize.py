@@ -14,7 +14,7 @@ from artifacts_gen import quantize
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
 from tests.bundle_helpers import (
-    build_tiny_bundle, dequantized_here, eval_initializers, peft_reference, with_dequantized_base,
+    build_tiny_bundle, dequantized_here, eval_initializers, is_vocab, peft_reference, with_dequantized_base,
 )
 from tests.test_artifacts_gen import (
     assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps,
@@ -47,7 +47,7 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
     inits = eval_initializers(bundle)
     for w in q.weights:
         assert w.onnx_name not in inits                       # no float32 copy of it is stored
-        vocab = w.axis == 0 and not w.block                   # embedding / LM head: int8 per row in both modes
+        vocab = is_vocab(w)                  # embedding / LM head: int8 per row in both modes
         assert w.dtype == ("int8" if vocab or mode == "int8" else "uint4")
         assert inits[w.codes].data_type == (onnx.TensorProto.UINT4 if w.dtype == "uint4" else onnx.TensorProto.INT8)
         assert bool(w.offset) == (w.dtype == "uint4")
@@ -57,7 +57,7 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
         x_onnx = x.T if w.transposed else x                   # [in, out]: int8 per column, int4 per block of rows
         err = np.abs((y.T if w.transposed else y) - x_onnx)
         assert err.max() > 0                                  # really quantized
-        if w.axis == 0 and not w.block:                       # embedding / LM head [V, H]: int8 per row
+        if is_vocab(w):                      # embedding / LM head [V, H]: int8 per row
             step = np.abs(x_onnx).max(axis=1, keepdims=True) / 127
         elif mode == "int8":
             step = np.abs(x_onnx).max(axis=0, keepdims=True) / 127
@@ -142,13 +142,16 @@ def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
     dqs = [(i, n) for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear"]
     assert dqs
     for i, n in dqs:
-        readers_of = [g.node[j] for j in read_by[n.output[0]]]
+        out = n.output[0]            # the weight: after an offset's Reshape, Add, Reshape and the [out, in] Transpose
+        while len(read_by[out]) == 1 and g.node[read_by[out][0]].op_type in ("Reshape", "Add", "Transpose"):
+            out = g.node[read_by[out][0]].output[0]
+        readers_of = [g.node[j] for j in read_by[out]]
         assert readers_of
-        before = _ancestors(g, n.output[0])
+        before = _ancestors(g, out)
         assert "input_ids" in before, n.name                              # not a constant: waits for the batch
-        uses = [r for r in readers_of if r.op_type in ("MatMul", "Gemm") and r.input[1] == n.output[0]]
+        uses = [r for r in readers_of if r.op_type in ("MatMul", "Gemm") and r.input[1] == out]
         assert not uses or any(r.input[0] in before for r in uses), n.name  # ... and for its reader's activation
-        sides = {j in bwd for j in read_by[n.output[0]]}
+        sides = {j in bwd for j in read_by[out]}
         assert len(sides) == 1, n.name                                 # not kept from the forward to the backward
 
 
@@ -162,14 +165,14 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
     bwd = backward_nodes(g)
     fwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i not in bwd]
     bwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i in bwd]
-    linear = [w for w in bundle.manifest.quant.weights if w.axis == 1 or w.block]
+    linear = [w for w in bundle.manifest.quant.weights if not is_vocab(w)]
     assert {n.input[0] for n in fwd_dq} >= {w.codes for w in linear}          # every linear weight dequantized
     weights = {w.onnx_name for w in linear}
     read_by = readers(g)
     for w in weights:          # its float32 copy (after the offset, if any) is not kept for the backward pass
         assert not [j for j in read_by[w] if j in bwd], w
     # the LM head is dequantized one vocabulary slice at a time, never whole (the eval graph does it whole)
-    vocab = [w for w in bundle.manifest.quant.weights if w.axis == 0 and not w.block]
+    vocab = [w for w in bundle.manifest.quant.weights if is_vocab(w)]
     assert vocab, "the embedding / LM head is quantized too"
     whole = {w.codes for w in vocab}
     assert not [n.name for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in whole]

@@ -4,7 +4,8 @@
    (+ offset), equals gguf-py's `dequantize` bit for bit.
 2. A small Gemma3 whose weights are gguf-py's dequantization of random blocks of each format (dimensions of 256,
    as the K-quants need) is built with keep: the bundle stores the blocks' codes (uint4 for Q4_K, int8 otherwise),
-   and its loss, logits, gradients and 10 AdamW steps match PEFT on those weights.
+   and its loss, logits, gradients and 10 AdamW steps match PEFT on those weights; its decoder multiplies by every
+   format's codes with MatMulNBits (artifacts_gen/nbits) and generates what transformers generates.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from artifacts_gen import gguf_exact, quantize
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
-from tests.bundle_helpers import peft_reference
+from tests.bundle_helpers import is_vocab, peft_reference
 from tests.test_artifacts_gen import assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps
 
 FORMATS_OF = {  # the small model's weights -> the block format they are made of
@@ -164,7 +165,42 @@ def test_keep_dequantizes_just_in_time_and_again_for_the_backward(kept):
     g = onnx.load(str(bundle.file(mf.TRAINING_MODEL)), load_external_data=False).graph
     assert_dequantization_is_just_in_time(g)
     read_by, bwd = readers(g), backward_nodes(g)
-    linear = [w for w in bundle.manifest.quant.weights if w.axis == 0 and w.block]
+    linear = [w for w in bundle.manifest.quant.weights if not is_vocab(w)]
     assert {w.source_format for w in linear} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
     for w in linear:          # the forward's float32 copy (Q4_K: after its offset) is not kept for the backward
         assert not [j for j in read_by[w.onnx_name] if j in bwd], w.onnx_name
+
+
+def test_keep_decoder_multiplies_by_every_format_and_matches_hf_generate(kept):
+    """The decoder runs each Q8_0 / Q5_0 / Q6_K / Q4_K weight (and the Q8_0 head) as MatMulNBits over the bundle's
+    codes, never dequantized, and its greedy tokens equal transformers + PEFT's on the weights gguf-py dequantizes.
+    This model's random blocks give logits up to ~150 (real models: ~10-60), where float32 itself is ~1e-5 off, so
+    every step's logits are held to float64 PyTorch within 1e-6 of the largest logit (measured 9e-7; float32
+    PyTorch 2e-7) rather than to 1e-4 absolute (tests/test_decoder.py's tiny models: logits of a few units)."""
+    import copy
+
+    from ort_trainer.decoder import Decoder
+    from tests.bundle_helpers import load_lora_into, random_lora, to_onnx_layout
+    from tests.test_decoder import hf_generate, ours
+
+    ckpt, bundle, _, _ = kept
+    dec = onnx.load(str(bundle.file(mf.DECODER_MODEL)), load_external_data=False).graph
+    produced = {o: n for n in dec.node for o in n.output}
+    dqs = [n for n in dec.node if n.op_type == "DequantizeLinear"]
+    assert all(getattr(produced.get(n.input[0]), "op_type", "") == "Gather" for n in dqs)   # embedding rows only
+    linear = [w for w in bundle.manifest.quant.weights if w.source_key != "model.embed_tokens.weight"]
+    assert sum(n.op_type == "MatMulNBits" for n in dec.node) == len(linear) + 1                  # + the LM head
+    ref = peft_reference(ckpt, bundle.manifest)
+    lora = random_lora(bundle.manifest, seed=5)
+    load_lora_into(ref, lora)
+    decoder = Decoder(bundle)
+    decoder.use_adapter(to_onnx_layout(bundle.manifest, lora))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, bundle.manifest.model.vocab_size, n).tolist() for n in (12, 5)]    # crosses the window
+    tokens, steps = ours(decoder, prompts, 40)
+    hf_tokens, _ = hf_generate(ref, prompts, 40)
+    f64_tokens, f64_steps = hf_generate(copy.deepcopy(ref).double(), prompts, 40)
+    assert tokens == hf_tokens == f64_tokens
+    scale = max(float(np.abs(x).max()) for x in f64_steps)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(steps, f64_steps))
+    assert worst <= 1e-6 * scale, (worst, scale)
