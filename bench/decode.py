@@ -79,6 +79,15 @@ def _real_bundle(sub: Path) -> dict:
             "bundle": str(out)}
 
 
+def _quantized_matmul(bundle: Path) -> str:
+    """How the quantized bundle's decoder multiplies by its weights: MatMulNBits (artifacts_gen/nbits.py, since
+    2026-12-06) or a DequantizeLinear per weight and token (before)."""
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(bundle / "decoder_model.onnx"), load_external_data=False).graph.node}
+    return "MatMulNBits" if "MatMulNBits" in ops else "DequantizeLinear"
+
+
 def _run(side: str, b: dict, spec: dict, log_path: Path) -> dict:
     kind = "torch" if side == "torch" else "llama" if side == "llama.cpp" else "ours"
     spec = {**spec, "bundle": b[side] if kind == "ours" else b["bundle"], "ckpt": b["ckpt"],
@@ -117,6 +126,7 @@ def main(argv=None) -> int:
         ours = Path(b["bundle"])
         sides = REAL_SIDES if name == REAL else SIDES
         entry = {"weight_bytes": _weight_bytes(ours), "decoder_bytes": (ours / "decoder_model.onnx").stat().st_size,
+                 "quantized_matmul": _quantized_matmul(Path(b["ours-keep" if name == REAL else "ours-int4"])),
                  "sides": {s: {"runs": []} for s in sides}}
         for r in range(args.rounds):
             for side in sides:

@@ -13,6 +13,10 @@ def _f(x, fmt: str, scale: float = 1.0) -> str:
     return "—" if x is None else format(x * scale, fmt)
 
 
+def _nbits(p: dict) -> bool:
+    return any(e.get("quantized_matmul") == "MatMulNBits" for e in p["shapes"].values())
+
+
 def render_report(p: dict, run: str) -> str:
     lines = runs.header(TITLE, run, "bench/decode.py", p["machine"], p["command"], {"raw results": f"{run}.json"})
     lines += [
@@ -23,8 +27,14 @@ def render_report(p: dict, run: str) -> str:
         "PEFT-wrapped checkpoint with its defaults (SDPA, DynamicCache). Medians over rounds; peak RSS: VmHWM, the "
         "largest over rounds. Decode tok/s counts the tokens after the first over the time after it; time to first "
         "token is the prefill and the first pick.",
+        *([] if not _nbits(p) else [
+            "", "The quantized bundles' decoders multiply by the codes with ORT's MatMulNBits (artifacts_gen/nbits.py: "
+            "uint4 codes as stored, 8-bit codes as two nibbles against an interleaved activation, float32 "
+            "accumulation), never dequantizing a weight."]),
         *(["", f"The {REAL} row: the real Gemma3-270M Q4_K_M GGUF. ours-keep: its `pocketlora gen` default bundle "
-           "(`--quant keep`, the GGUF's blocks dequantized per token by ORT 1.19's DequantizeLinear); llama.cpp: "
+           "(`--quant keep`, the GGUF's blocks" + (" multiplied by MatMulNBits" if _nbits(p) else
+                                                  " dequantized per token by ORT 1.19's DequantizeLinear") +
+           "); llama.cpp: "
            "llama-cpp-python on the GGUF itself (its own Q4_K / Q5_0 / Q6_K / Q8_0 kernels, no adapter); torch: "
            "transformers on the GGUF's weights dequantized to float32, with the adapter."] if REAL in p["shapes"] else []),
         "",

@@ -22,7 +22,6 @@ The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/r
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -59,14 +58,21 @@ def lowmem(bundle: str, data: Path, sub: Path, steps: int) -> dict:
     return {"cap_bytes": cap, **rec}
 
 
-def budget_run(bundle: str, data: Path, sub: Path, steps: int, goal_bytes: float, out: Path) -> dict:
+def budget_run(bundle: str, data: Path, steps: int, goal_bytes: float, out: Path) -> dict:
     """The int4 bundle trained at effective batch 8 with --memory-budget at the goal (in MiB): the runner's own
-    split under it, read from its log ("-> micro-batch M x accum A")."""
+    split under it, as its run records it (run.json)."""
+    import json
+    import shutil
+
+    from android_runner.loop import RUN_CONFIG
+
     budget_mib = int(goal_bytes / 2**20)
-    rec = run_one("native", bundle, data, 2, 4, steps, out, flags=["--memory-budget", str(budget_mib)])
-    log_text = out.with_suffix(".log").read_text(errors="replace") if out.with_suffix(".log").is_file() else ""
-    m = re.search(r"-> micro-batch (\d+) x accum (\d+)", log_text)
-    return {"budget_mib": budget_mib, **rec, **({"split": [int(m.group(1)), int(m.group(2))]} if m else {})}
+    rec = run_one("native", bundle, data, 2, 4, steps, out, flags=["--memory-budget", str(budget_mib)], keep=True)
+    if (out / RUN_CONFIG).is_file():
+        cfg = json.loads((out / RUN_CONFIG).read_text())
+        rec["split"] = [cfg["micro_batch"], cfg["accum"]]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"budget_mib": budget_mib, **rec}
 
 
 def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
@@ -121,7 +127,7 @@ def main(argv=None) -> int:
         payload["shapes"][name] = entry
         if not args.no_budget and GOALS.get(name):
             log(f"{name}: int4 under --memory-budget {GOALS[name][1] / 1e9:.1f} GB")
-            r = entry["budget"] = budget_run(b["int4"], data, sub, args.steps, GOALS[name][1],
+            r = entry["budget"] = budget_run(b["int4"], data, args.steps, GOALS[name][1],
                                              sub / f"{name}-budget-run")
             log("   " + (f"split {r.get('split')}, {r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB"
                          if "error" not in r else f"FAILED: {r['error'][-300:]}"))

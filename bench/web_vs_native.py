@@ -53,9 +53,10 @@ WAIT_THEN_CLI = ("import runpy, sys; sys.stdin.readline(); sys.argv[0] = 'pocket
 
 def run_one(runner: str, bundle: str, data: Path, micro: int, accum: int, steps: int, out: Path, *,
             threads: int = THREADS, session: dict | None = None, flags: list[str] = (),
-            cgroup: Path | None = None) -> dict:
+            cgroup: Path | None = None, keep: bool = False) -> dict:
     """One training run of `runner` (native | web) for 1 + steps optimizer steps: its per-step tok/s, peak RSS.
-    `flags`: more `train` flags; `cgroup`: run the native runner inside this memory cgroup."""
+    `flags`: more `train` flags; `cgroup`: run the native runner inside this memory cgroup; `keep`: leave the run
+    directory (else removed after a successful run)."""
     if out.exists():
         shutil.rmtree(out)
     flags = ["--bundle", bundle, "--data", str(data), "--out", str(out), "--max-steps", str(1 + steps),
@@ -88,7 +89,8 @@ def run_one(runner: str, bundle: str, data: Path, micro: int, accum: int, steps:
     rec["tok_s"] = statistics.median(m["tokens"] / m["step_s"] for m in measured)
     rec["first_step_s"] = steps_seen[0]["step_s"]
     rec["load_s"] = round(c.wall - sum(m["step_s"] for m in steps_seen), 1)
-    shutil.rmtree(out)                     # the checkpoints are GBs of nothing we need
+    if not keep:
+        shutil.rmtree(out)                 # the checkpoints are GBs of nothing we need
     return rec
 
 
