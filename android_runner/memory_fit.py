@@ -128,13 +128,14 @@ class MemoryFit:
     per_sequence_mb: float = 0.0
     predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> linear prediction from 1 and 2
     counts: str = "RSS"                                 # or "anonymous RSS" (--memory low)
+    start_mb: float = 0.0                               # the process's peak before the fit: the sessions' start
 
     def summary(self) -> str:
         meas = ", ".join(f"{m}: {v:,.0f}" for m, v in sorted(self.measured_mb.items()))
         return (f"memory budget {self.budget_mb:,.0f} MiB of {self.counts} ({self.budget_source}): measured peak MiB at micro-batch "
                 f"{meas}; +{self.per_sequence_mb:,.0f} MiB per sequence -> micro-batch {self.micro_batch} x accum "
                 f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB, measured "
-                f"{self.measured_mb[self.micro_batch]:,.0f})")
+                f"{self.measured_mb[self.micro_batch]:,.0f}); the sessions' start peaked at {self.start_mb:,.0f} MiB")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,10 +178,15 @@ def fit_session(session, seq_len: int, effective_batch: int, budget, log=print, 
     else:
         budget_mb, source = float(budget), "given"
     log(f"measuring memory per micro-batch (worst case: {seq_len} labelled tokens per sequence)")
+    start_mb = peak_rss_mb()             # the peak so far: loading the bundle and starting the sessions
+    if start_mb > budget_mb and not anonymous:
+        log(f"warning: starting the sessions already peaked at {start_mb:,.0f} MiB, over the {budget_mb:,.0f} MiB "
+            "budget; no split brings the process under it")
     if not reset_peak_rss():
         log("warning: this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs); each measurement is the "
             "peak of the whole process so far, so the split chosen may be smaller than what fits")
     fit = choose_micro_batch(lambda m: measure_peak_mb(session, m, seq_len, anonymous), effective_batch, budget_mb,
                              source, "anonymous RSS" if anonymous else "RSS")
+    fit.start_mb = start_mb
     log(fit.summary())
     return fit

@@ -103,6 +103,7 @@ def test_measuring_leaves_the_training_untouched_and_resume_keeps_the_split(tiny
     s = train(_cfg(bundle, data, memory_budget="100G"), root / "fit", log=logs.append)
     assert s["finished"] and s["memory_fit"]["micro_batch"] == 4 and s["memory_fit"]["accum"] == 1
     assert sorted(s["memory_fit"]["measured_mb"]) == [1, 2, 4]
+    assert s["memory_fit"]["start_mb"] > 0                 # the sessions' start, measured before the fit
     assert any("micro-batch 4 x accum 1" in line for line in logs)
     saved = json.loads((root / "fit" / "run.json").read_text())
     assert (saved["micro_batch"], saved["accum"]) == (4, 1)
