@@ -28,7 +28,8 @@ disk: nothing new).
 
 Measured (2026-12-06, 2 threads, this machine): 24 layers of Qwen2.5's MLP, one token, so that no weight stays in
 cache: float32 MatMul 30.4 ms, MatMulNBits 12.2 ms. The real Gemma3-270M keep bundle decodes at ~20 tok/s (it was
-2.8), its session takes ~3.4 s to start (0.7 s before: the folding), and its logits stay within float32 rounding.
+2.8) and its session takes ~2.4 s to start (0.7 s before: the XOR of the 8-bit codes is folded then;
+docs/bench/runs/2026-12-06T1704Z-decode).
 """
 from __future__ import annotations
 
@@ -38,24 +39,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ort_trainer import manifest as mf
 
-from .quantize import INT4_OPSET, to_opset
+from .quantize import INT4_OPSET, dequant_chains, to_opset
 from .recompute import drop_dead, readers
 
 PREFIX = "/nbits/"
 BLOCKS = (128, 64, 32, 16)      # MatMulNBits' block sizes, for weights with one scale per row or column
-
-
-def _final(g: onnx.GraphProto, read_by, dq: onnx.NodeProto) -> tuple[str, bool] | None:
-    """(the float32 weight a DequantizeLinear's chain ends in, whether the chain transposes the codes): the DQ's
-    output, or after quantize_forward's Reshape -> Add -> Reshape of an offset per block, then its Transpose; None
-    for any other chain."""
-    name, ops = dq.output[0], []
-    while (len(read_by[name]) == 1 and len(ops) < 4
-           and (nxt := g.node[read_by[name][0]]).op_type in ("Reshape", "Add", "Transpose")):
-        ops.append(nxt.op_type)
-        name = nxt.output[0]
-    transposed = ops[-1:] == ["Transpose"]
-    return (name, transposed) if ops[: len(ops) - transposed] in ([], ["Reshape", "Add", "Reshape"]) else None
 
 
 def _matmul_readers(g: onnx.GraphProto, read_by, w: str) -> list[tuple[int, bool]] | None:
@@ -109,7 +97,8 @@ def _fits(q: mf.QuantizedWeight, codes: onnx.TensorProto, codes_nk: bool) -> tup
         block = q.block if q.axis == k_axis and q.block >= 16 and q.block & (q.block - 1) == 0 else 0
     else:
         block = _pick_block(k) if q.axis == 1 - k_axis else 0
-    return (n, k, block) if block and k % block == 0 and 2 * block <= 256 else None
+    span = block if q.dtype == "uint4" else 2 * block              # 8-bit codes: two nibbles a code
+    return (n, k, block) if block and k % block == 0 and span <= 256 else None
 
 
 def _codes_nk(b: _Builder, q: mf.QuantizedWeight, codes: onnx.TensorProto, codes_nk: bool, n: int, k: int,
@@ -142,30 +131,43 @@ def _codes_nk(b: _Builder, q: mf.QuantizedWeight, codes: onnx.TensorProto, codes
     return packed, flat, kk, bb, interleaved, b.op("Transpose", [correction], "correction_t", perm=[1, 0])
 
 
-def _matmul(b: _Builder, node: onnx.NodeProto, fused, n: int, k: int, block: int, tag: str) -> list[onnx.NodeProto]:
+def _matmul(b: _Builder, node: onnx.NodeProto, fused, n: int, k: int, block: int, tag: str, shared: dict
+            ) -> list[onnx.NodeProto]:
     """The nodes that replace one matmul reader, in 2-D: MatMulNBits (of A, or for 8-bit codes of A interleaved with
-    16 A) + blocksum(A) @ (O + 8 S)^T (+ Gemm's C), reshaped to A's leading dimensions and N."""
+    16 A) + blocksum(A) @ (O + 8 S)^T (+ Gemm's C), reshaped to A's leading dimensions and N. `shared`: A's 2-D view,
+    interleaving and block sums made for an earlier reader of the same A (q, k and v read one activation), reused."""
     packed, flat, kk, bb, interleaved, correction_t = fused
     first = len(b.nodes)
     a = node.input[0]
-    a2 = b.op("Reshape", [a, b.const(f"rows{tag}", [-1, k], np.int64)], f"a2d{tag}")
+
+    def once(key, make):
+        if key not in shared:
+            shared[key] = make()
+        return shared[key]
+
+    a2 = once((a, "2d"), lambda: b.op("Reshape", [a, b.const(f"rows{tag}", [-1, k], np.int64)], f"a2d{tag}"))
     if interleaved:
-        last = b.const(f"last_axis{tag}", [2], np.int64)
-        pairs = [b.op("Unsqueeze", [a2, last], f"a_lo{tag}"),
-                 b.op("Unsqueeze", [b.op("Mul", [a2, b.const(f"sixteen{tag}", 16, np.float32)], f"a16{tag}"), last],
-                      f"a_hi{tag}")]
-        a_in = b.op("Reshape", [b.op("Concat", pairs, f"a_pairs{tag}", axis=2),
-                                b.const(f"rows2{tag}", [-1, kk], np.int64)], f"a_interleaved{tag}")
+        def interleave():
+            last = b.const(f"last_axis{tag}", [2], np.int64)
+            a16 = b.op("Mul", [a2, b.const(f"sixteen{tag}", 16, np.float32)], f"a16{tag}")
+            pairs = [b.op("Unsqueeze", [a2, last], f"a_lo{tag}"), b.op("Unsqueeze", [a16, last], f"a_hi{tag}")]
+            return b.op("Reshape", [b.op("Concat", pairs, f"a_pairs{tag}", axis=2),
+                                    b.const(f"rows2{tag}", [-1, kk], np.int64)], f"a_interleaved{tag}")
+        a_in = once((a, "interleaved"), interleave)
     else:
         a_in = a2
+
+    def block_sums():
+        blocks = b.op("Reshape", [a2, b.const(f"blocks{tag}", [-1, k // block, block], np.int64)], f"a_blocks{tag}")
+        return b.op("ReduceSum", [blocks, b.const(f"last{tag}", [-1], np.int64)], f"a_sums{tag}", keepdims=0)
+    sums = once((a, "sums", block), block_sums)
     y = b.op("MatMulNBits", [a_in, packed, flat], f"y{tag}", K=kk, N=n, bits=4, block_size=bb, accuracy_level=0)
-    blocks = b.op("Reshape", [a2, b.const(f"blocks{tag}", [-1, k // block, block], np.int64)], f"a_blocks{tag}")
-    sums = b.op("ReduceSum", [blocks, b.const(f"last{tag}", [-1], np.int64)], f"a_sums{tag}", keepdims=0)
     y = b.op("Add", [y, b.op("MatMul", [sums, correction_t], f"corr{tag}")], f"y_corr{tag}")
     if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
         y = b.op("Add", [y, node.input[2]], f"y_bias{tag}")
-    lead = b.op("Slice", [b.op("Shape", [a], f"a_shape{tag}"), b.const(f"s{tag}", [0], np.int64),
-                          b.const(f"e{tag}", [-1], np.int64)], f"lead{tag}")
+    lead = once((a, "lead"), lambda: b.op("Slice", [b.op("Shape", [a], f"a_shape{tag}"),
+                                                    b.const(f"s{tag}", [0], np.int64),
+                                                    b.const(f"e{tag}", [-1], np.int64)], f"lead{tag}"))
     shape = b.op("Concat", [lead, b.const(f"n{tag}", [n], np.int64)], f"y_shape{tag}", axis=0)
     b.op("Reshape", [y, shape], f"y_out{tag}")
     b.nodes[-1].output[0] = node.output[0]
@@ -179,23 +181,25 @@ def _take(b: _Builder, first: int) -> list[onnx.NodeProto]:
 
 
 def _plans(model: onnx.ModelProto, weights: list[mf.QuantizedWeight]):
-    """[(weight, [(matmul node index, codes are [N, K])], (N, K, block))] for the weights MatMulNBits can run."""
+    """[(weight, [(matmul node index, transB)], codes are [N, K], (N, K, block))] for the weights MatMulNBits can
+    run: a DequantizeLinear chain (quantize.dequant_chains) read only as the B of matmuls."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     read_by = readers(g)
+    by_codes = {chain[0].input[0]: (w, chain) for w, chain in dequant_chains(g, {q.codes for q in weights},
+                                                                             read_by).items()}
     plans = []
     for q in weights:
-        for j in read_by[q.codes]:
-            if g.node[j].op_type != "DequantizeLinear":
-                continue
-            found = _final(g, read_by, g.node[j])
-            users = _matmul_readers(g, read_by, found[0]) if found else None
-            if users is None or len({t for _, t in users}) != 1:
-                continue
-            codes_nk = users[0][1] != found[1]        # [N, K] as the matmul counts them: transB xor the chain's
-            fit = _fits(q, inits[q.codes], codes_nk)
-            if fit:
-                plans.append((q, users, codes_nk, fit))
+        if q.codes not in by_codes:
+            continue
+        w, chain = by_codes[q.codes]
+        users = _matmul_readers(g, read_by, w)
+        if users is None or len({t for _, t in users}) != 1:
+            continue
+        codes_nk = users[0][1] != (chain[-1].op_type == "Transpose")   # [N, K] as the matmul counts them
+        fit = _fits(q, inits[q.codes], codes_nk)
+        if fit:
+            plans.append((q, users, codes_nk, fit))
     return plans
 
 
@@ -206,18 +210,21 @@ def fuse(model: onnx.ModelProto, weights: list[mf.QuantizedWeight]) -> tuple[onn
     many weights were fused)."""
     if not _plans(model, weights):
         return model, 0
-    model = to_opset(model, INT4_OPSET)           # BitwiseAnd (18); the converter may add nodes: plan again
+    model = to_opset(model, INT4_OPSET)           # BitwiseXor (18); the converter may add nodes: plan again
     plans = _plans(model, weights)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     prep: list[onnx.NodeProto] = []
-    replace: dict[int, list[onnx.NodeProto]] = {}
+    readers_of: list[tuple[int, _Builder, tuple, int, int, int]] = []
     for i, (q, users, codes_nk, (n, k, block)) in enumerate(plans):
         b = _Builder(g, f"{PREFIX}{i}/")
         fused = _codes_nk(b, q, inits[q.codes], codes_nk, n, k, block)
         prep += _take(b, 0)
-        for u, (j, _) in enumerate(users):
-            replace[j] = _matmul(b, g.node[j], fused, n, k, block, str(u))
+        readers_of += [(j, b, fused, n, k, block) for j, _ in users]
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    shared: dict = {}
+    for u, (j, b, fused, n, k, block) in enumerate(sorted(readers_of, key=lambda r: r[0])):   # in graph order
+        replace[j] = _matmul(b, g.node[j], fused, n, k, block, str(u), shared)
     out = list(prep)
     for j, node in enumerate(g.node):
         out += replace.get(j, [node])

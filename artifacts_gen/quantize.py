@@ -403,7 +403,8 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = 
     return entries
 
 
-def _forward_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int]) -> dict[str, list[onnx.NodeProto]]:
+def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] = frozenset()
+                   ) -> dict[str, list[onnx.NodeProto]]:
     """The float32 weight each forward DequantizeLinear of `codes` ends in -> the nodes computing it, first to last
     (the DQ; for an offset per block its Reshape, Add, Reshape; for codes stored [out, in] a Transpose, unless ORT's
     pre-training optimizer fused it into a Gemm's transB)."""
@@ -429,7 +430,7 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
     read_by = readers(g)
     bwd = backward_nodes(g, read_by)
     produced_by = {o: i for i, n in enumerate(g.node) for o in n.output}
-    chains = _forward_chains(g, {w + CODES for w in weights}, read_by, bwd)
+    chains = dequant_chains(g, {w + CODES for w in weights}, read_by, bwd)
     inserts: dict[int, list[onnx.NodeProto]] = {}
     count = 0
     for w, chain in chains.items():

@@ -22,10 +22,13 @@ The run is written whole as docs/bench/runs/<date>-quant-base.{md,json} (bench/r
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
 
+from android_runner.loop import RUN_CONFIG
 from bench import runs
 from bench.common import log
 from bench.quant_base_render import MODES, render_report
@@ -61,11 +64,6 @@ def lowmem(bundle: str, data: Path, sub: Path, steps: int) -> dict:
 def budget_run(bundle: str, data: Path, steps: int, goal_bytes: float, out: Path) -> dict:
     """The int4 bundle trained at effective batch 8 with --memory-budget at the goal (in MiB): the runner's own
     split under it, as its run records it (run.json)."""
-    import json
-    import shutil
-
-    from android_runner.loop import RUN_CONFIG
-
     budget_mib = int(goal_bytes / 2**20)
     rec = run_one("native", bundle, data, 2, 4, steps, out, flags=["--memory-budget", str(budget_mib)], keep=True)
     if (out / RUN_CONFIG).is_file():

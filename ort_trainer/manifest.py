@@ -123,8 +123,9 @@ class QuantSpec:
     weights: list[QuantizedWeight] = field(default_factory=list)
     note: str = ("weight = codes * scale (+ offset) per `block` entries along `axis` of the codes (block 0: one scale "
                  "per column, or per row when axis is 0), transposed if codes_transposed, dequantized in the graphs "
-                 "just before each use; linear weights' codes are [out, in]: int8 one scale per output, int4 per block "
-                 "of inputs; keep: a GGUF source's blocks as they are; embedding and LM head: int8 per row (keep: "
+                 "just before each use; linear weights: 4-bit codes [out, in] (codes_transposed) with a scale and "
+                 "offset per block of inputs, 8-bit codes [in, out] with one scale per output (int8) or per block "
+                 "(keep); keep: a GGUF source's blocks as they are; embedding and LM head: int8 per row (keep: "
                  "their GGUF blocks); LoRA, norms and biases are float32")
 
 
