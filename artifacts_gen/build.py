@@ -138,6 +138,8 @@ def build_bundle(
     head_vocab_cols: int | None = None,
     quant: str | None = None,
     quant_block: int = quantize.INT4_BLOCK,
+    quant_calib: str | os.PathLike | None = None,
+    quant_calib_tokens: int = 16384,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -166,6 +168,8 @@ def build_bundle(
 
     if quant is not None:
         quantize.check_mode(quant, quant_block)
+    if quant_calib is not None:
+        quantize.check_calibration(quant, quant_calib, quant_calib_tokens)
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
@@ -178,6 +182,13 @@ def build_bundle(
         from .gguf_exact import read_exact
 
         exact = read_exact(Path(src.path) / src.gguf_file)
+    calibration = None
+    if quant_calib is not None:
+        from .gptq import calibrate
+
+        log(f"      calibrating int4 (GPTQ): {quant_calib}, up to {quant_calib_tokens:,} tokens")
+        calibration = calibrate(src.model, src.tokenizer, quant_calib, seq_len, quant_calib_tokens)
+        log(f"      {calibration.description}, {len(calibration.hessians)} layers' inputs")
     fam, config = src.family, src.model.config
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,7 +228,7 @@ def build_bundle(
             + (f", equal-valued weights kept distinct: {n_split}" if n_split else ""))
 
         forward, quantized = quantize.quantize_forward(forward, quant, quant_block, {t.onnx_name for t in train},
-                                                       graph_fixes.TRANSPOSED, exact)
+                                                       graph_fixes.TRANSPOSED, exact, calibration)
         if quantized:
             log(f"      {quantize.describe(quant, quant_block, quantized)}, dequantized just in time")
 
@@ -228,7 +239,7 @@ def build_bundle(
             log(f"      note: {', '.join(plan.oversize)} exceed(s) --shard-mb {shard_mb}; ONNX external data cannot "
                 "split a tensor, so each is stored alone in its own shard file")
         log("      decoder graph: prefill and decode with a KV cache, over the same shards")
-        _write_decoder(peft_model, fam, stage, trace_dir, forward, train, quant, quant_block, exact)
+        _write_decoder(peft_model, fam, stage, trace_dir, forward, train, quant, quant_block, exact, calibration)
         del peft_model, src.model
         shutil.rmtree(trace_dir)
         softcap = getattr(config, fam.softcap_key, None) if fam.softcap_key else None
@@ -278,7 +289,8 @@ def build_bundle(
             train_outputs=["loss"],
             eval_outputs=["loss", "logits"],
             loss=mf.LossSpec(head_chunks=head_chunks, head_min_rows=head_min_rows, head_vocab_cols=head_vocab_cols),
-            quant=mf.QuantSpec(mode=quant, block=quant_block if quant == "int4" else 0, weights=quantized),
+            quant=mf.QuantSpec(mode=quant, block=quant_block if quant == "int4" else 0, weights=quantized,
+                               calibration=calibration.description if calibration else ""),
             decoder=decoder.decoder_spec(config, max_positions(fam, config)),
             special_tokens=_special_tokens(src.tokenizer),
             files=_file_entries(stage),
@@ -323,12 +335,12 @@ def _alive(pid: int) -> bool:
 
 
 def _write_decoder(peft_model, fam, stage: Path, trace_dir: Path, sharded: onnx.ModelProto, train: list[mf.Trainable],
-                   quant: str, quant_block: int, exact: dict | None) -> None:
+                   quant: str, quant_block: int, exact: dict | None, calibration=None) -> None:
     """Trace the decoder from the same PEFT model (its LoRA still holds the placeholders the forward was traced with,
     so names match by value), fix and quantize it like the forward, and point its weights at the shards."""
     decoder.export_decoder(peft_model, fam, trace_dir / "decoder.onnx")
     model = onnx.load(str(trace_dir / "decoder.onnx"))
-    model = decoder.fix_decoder(model, _source_tensors(peft_model), train, quant, quant_block, exact)
+    model = decoder.fix_decoder(model, _source_tensors(peft_model), train, quant, quant_block, exact, calibration)
     decoder.link_to_shards(model, sharded, stage, {t.onnx_name for t in train})
     onnx.save(model, str(stage / mf.DECODER_MODEL))
 

@@ -108,7 +108,7 @@ def export_decoder(peft_model, family: Family, out_path: Path) -> None:
 
 
 def fix_decoder(model: onnx.ModelProto, sources: dict[str, np.ndarray], train: list[mf.Trainable], quant: str,
-                quant_block: int, exact: dict | None) -> onnx.ModelProto:
+                quant_block: int, exact: dict | None, calibration=None) -> onnx.ModelProto:
     """The passes the training graphs' forward went through, so every weight gets the same name (and codes), then
     the LoRA tensors become graph inputs."""
     graph_fixes.split_value_merges(model)
@@ -124,7 +124,7 @@ def fix_decoder(model: onnx.ModelProto, sources: dict[str, np.ndarray], train: l
         model.graph.initializer.remove(inits[t.onnx_name])
         model.graph.input.append(helper.make_tensor_value_info(t.onnx_name, onnx.TensorProto.FLOAT, t.shape))
     model, weights = quantize.quantize_forward(model, quant, quant_block, {t.onnx_name for t in train},
-                                               graph_fixes.TRANSPOSED, exact)
+                                               graph_fixes.TRANSPOSED, exact, calibration)
     model, _ = nbits.fuse(model, weights)       # one token at a time: multiply by the codes, never dequantize
     return model
 

@@ -118,17 +118,25 @@ def _codes_nk(b: _Builder, q: mf.QuantizedWeight, codes: onnx.TensorProto, codes
         values = view.name if codes_nk else b.op("Transpose", [view.name], "bytes_nk", perm=[2, 0, 1])
         packed = b.op("BitwiseXor", [values, b.const("sign", 128, np.uint8)], "packed")
         kk, bb, interleaved = 2 * k, 2 * block, True
+    q_scale = _float32(b, q.scale, "scale32")
     if q.block:
-        scale = q.scale if codes_nk else b.op("Transpose", [q.scale], "scale_nk", perm=[1, 0])
+        scale = q_scale if codes_nk else b.op("Transpose", [q_scale], "scale_nk", perm=[1, 0])
     else:
-        scale = b.op("Expand", [b.op("Unsqueeze", [q.scale, b.const("axis1", [1], np.int64)], "scale_col"),
+        scale = b.op("Expand", [b.op("Unsqueeze", [q_scale, b.const("axis1", [1], np.int64)], "scale_col"),
                                 b.const("nb_shape", [n, nb], np.int64)], "scale_nk")
     flat = b.op("Reshape", [scale, b.const("flat", [-1], np.int64)], "scale_flat")
     correction = b.op("Mul", [scale, b.const("eight", 8, np.float32)], "eight_s")          # [N, nb]
     if q.offset:                     # uint4: stored [N, nb, 1] (quantize_forward)
-        offset = b.op("Reshape", [q.offset, b.const("offset_shape", [n, nb], np.int64)], "offset_nk")
+        offset = b.op("Reshape", [_float32(b, q.offset, "offset32"), b.const("offset_shape", [n, nb], np.int64)],
+                      "offset_nk")
         correction = b.op("Add", [offset, correction], "offset8")
     return packed, flat, kk, bb, interleaved, b.op("Transpose", [correction], "correction_t", perm=[1, 0])
+
+
+def _float32(b: _Builder, name: str, tag: str) -> str:
+    """An initializer as float32: int4's float16 scales and offsets get a Cast (folded when the session starts)."""
+    init = next(i for i in b.g.initializer if i.name == name)
+    return b.op("Cast", [name], tag, to=TensorProto.FLOAT) if init.data_type == TensorProto.FLOAT16 else name
 
 
 def _matmul(b: _Builder, node: onnx.NodeProto, fused, n: int, k: int, block: int, tag: str, shared: dict

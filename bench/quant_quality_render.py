@@ -17,11 +17,11 @@ def render_report(p: dict, run: str) -> str:
     modes = p["modes"]
     base = modes.get("none", {}).get("ppl_ort", {}).get("ppl")
     lines += [
-        f"`{p['model']}` built four times (`pocketlora gen --quant MODE --seq-len 128`), its base model scored with "
+        f"`{p['model']}` built once per mode (`pocketlora gen --quant MODE --seq-len 128`), its base model scored with "
         f"no LoRA: perplexity on the first {p['ppl_tokens']:,} tokens of WikiText-2 test (`--bos-per-window`, "
         f"windows of 128), MMLU 5-shot on the val split, the first {p['mmlu_limit']} questions of each subject. "
-        "none = gguf-py's dequantized weights in float32 (the reference); int8 / int4 requantize them; keep = the "
-        "GGUF's own blocks.",
+        "none = gguf-py's dequantized weights in float32 (the reference); int8 / int4 requantize them (int4-calib: "
+        "int4's codes chosen by GPTQ on WikiText-2 train, `--quant-calib`); keep = the GGUF's own blocks.",
         "",
         "| mode | weights GB | ppl (ORT) | vs none | goal | ppl (PyTorch, same weights) | ORT vs PyTorch | MMLU micro "
         "(ORT) | questions |",

@@ -121,10 +121,11 @@ class QuantSpec:
     mode: str = "none"       # none | int8 | int4 | keep (artifacts_gen/quantize.py)
     block: int = 0           # int4's rows per scale block
     weights: list[QuantizedWeight] = field(default_factory=list)
+    calibration: str = ""    # int4 codes chosen by GPTQ on calibration text (--quant-calib): what it ran on
     note: str = ("weight = codes * scale (+ offset) per `block` entries along `axis` of the codes (block 0: one scale "
                  "per column, or per row when axis is 0), transposed if codes_transposed, dequantized in the graphs "
                  "just before each use; linear weights: 4-bit codes [out, in] (codes_transposed) with a scale and "
-                 "offset per block of inputs, 8-bit codes [in, out] with one scale per output (int8) or per block "
+                 "offset per block of inputs (int4: float16), 8-bit codes [in, out] with one scale per output (int8) or per block "
                  "(keep); keep: a GGUF source's blocks as they are; embedding and LM head: int8 per row (keep: "
                  "their GGUF blocks); LoRA, norms and biases are float32")
 
