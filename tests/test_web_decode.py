@@ -60,4 +60,9 @@ def test_web_generate_matches_python_generate_with_a_web_trained_adapter(family,
     web = json.loads(stats.read_text())
     assert len(web) == len(ours)
     for w, o in zip(web, ours):
-        np.testing.assert_allclose(np.asarray(w), np.asarray(o), rtol=1e-4, atol=1e-3)
+        w, o = np.asarray(w), np.asarray(o)
+        np.testing.assert_allclose(w[:, [0, 2]], o[:, [0, 2]], rtol=1e-4, atol=1e-3)      # max, sum of squares
+        # the sum cancels (logits of both signs, e.g. -1.009 from 1e4 squares): errors of random sign add up to
+        # about their L2 norm, so the bound is 1e-4 of the row's (the other statistics' rtol); 1.7e-3 measured on
+        # gemma3-int4 against 9.6e-3 here, where the old absolute 1e-3 failed
+        assert (np.abs(w[:, 1] - o[:, 1]) <= 1e-3 + 1e-4 * np.sqrt(o[:, 2])).all(), (w[:, 1], o[:, 1])
