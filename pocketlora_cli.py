@@ -56,7 +56,7 @@ def _add_gen(sub) -> None:
                    help="int4 only: choose the codes with GPTQ on this calibration text (plain UTF-8, like the data "
                         "the model will see), run through the source model in PyTorch. Real Gemma3-270M: +1.9%% "
                         "perplexity instead of +18.1%% (docs/STATUS.md)")
-    p.add_argument("--quant-calib-tokens", type=int, default=16384, help="calibration tokens read (default 16384)")
+    p.add_argument("--quant-calib-tokens", type=int, default=None, help="calibration tokens read (default 16384)")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")
     p.set_defaults(func=_gen)

@@ -139,7 +139,7 @@ def build_bundle(
     quant: str | None = None,
     quant_block: int = quantize.INT4_BLOCK,
     quant_calib: str | os.PathLike | None = None,
-    quant_calib_tokens: int = 16384,
+    quant_calib_tokens: int | None = None,
     force: bool = False,
     log=print,
 ) -> BuildResult:
@@ -168,6 +168,7 @@ def build_bundle(
 
     if quant is not None:
         quantize.check_mode(quant, quant_block)
+    quant_calib_tokens = quantize.CALIB_TOKENS if quant_calib_tokens is None else quant_calib_tokens
     if quant_calib is not None:
         quantize.check_calibration(quant, quant_calib, quant_calib_tokens)
 

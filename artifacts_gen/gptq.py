@@ -20,10 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .quantize import QuantError, fit_int4_blocks, quantize_array
+from .quantize import CALIB_TOKENS, QuantError, fit_int4_blocks, quantize_array
 
 DAMP = 0.01                  # H += DAMP * mean(diag H) * I: keeps the Cholesky factorization well-posed
-CALIB_TOKENS = 16384         # calibration tokens read by default
 REFINE = 8                   # least-squares rounds per block fit
 
 
@@ -85,8 +84,9 @@ def input_hessians(model, ids: np.ndarray, batch: int = 8) -> dict[str, np.ndarr
         return record
 
     backbone = model.base_model
+    inside = {id(m) for m in backbone.modules()}
     handles = [m.register_forward_hook(hook(name + ".weight")) for name, m in model.named_modules()
-               if isinstance(m, (torch.nn.Linear, Conv1D)) and any(m is b for b in backbone.modules())]
+               if isinstance(m, (torch.nn.Linear, Conv1D)) and id(m) in inside]
     try:
         with torch.no_grad():
             for i in range(0, len(ids), batch):

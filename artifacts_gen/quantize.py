@@ -48,6 +48,7 @@ PREFIX = "/dequant/"
 CODES, SCALE, OFFSET = ".qcodes", ".qscale", ".qoffset"
 ZERO = PREFIX + "zero"
 MIN_ELEMENTS = 1024           # smaller weights are not worth a node
+CALIB_TOKENS = 16384          # --quant-calib: calibration tokens read by default (gptq.py)
 
 
 class QuantError(ValueError):
@@ -80,7 +81,7 @@ def check_calibration(mode: str | None, path, tokens: int) -> None:
     if not Path(path).is_file():
         raise QuantError(f"--quant-calib {path}: no such file. Give a plain UTF-8 text file.")
     if tokens < 1:
-        raise QuantError(f"--quant-calib-tokens {tokens}: use 1 or more (default 16384).")
+        raise QuantError(f"--quant-calib-tokens {tokens}: use 1 or more (default {CALIB_TOKENS}).")
 
 
 # ------------------------------------------------------------------------------------------ numbers
@@ -261,12 +262,14 @@ def _dq_node(codes: str, scale: str, out: str, name: str, block: int, axis: int)
     return helper.make_node("DequantizeLinear", [codes, scale], [out], name=name, axis=axis)
 
 
-def _as_float(name: str, values: np.ndarray, out: str) -> tuple[str, list[onnx.NodeProto]]:
-    """(the float32 tensor to read, the nodes making it): a Cast of `name` when `values` are float16 (int4's
-    scales and offsets; cast after their gate, so no float32 copy outlives its use), else `name` itself."""
+def _gated_float(name: str, values: np.ndarray, activation: str, p: str) -> tuple[str, list[onnx.NodeProto]]:
+    """(the float32 tensor to read, the nodes making it): initializer `name` gated on `activation`
+    (recompute.gate_nodes), then cast to float32 when `values` are float16 (int4's scales and offsets: cast after
+    the gate, so no float32 copy outlives its use; a Cast of the initializer would be a constant)."""
+    nodes = gate_nodes(name, activation, p, ZERO)
     if values.dtype != np.float16:
-        return name, []
-    return out, [helper.make_node("Cast", [name], [out], name=out, to=TensorProto.FLOAT)]
+        return p + "x", nodes
+    return p + "x32", nodes + [helper.make_node("Cast", [p + "x"], [p + "x32"], name=p + "x32", to=TensorProto.FLOAT)]
 
 
 def _codes_tensor(codes: np.ndarray, name: str, dtype: str) -> TensorProto:
@@ -328,12 +331,10 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
                 codes, scale = codes.T, scale.T
         elif mode == "int4" and w.shape[0] % block:
             continue                                   # int4 blocks must tile the rows; this weight stays float32
-        elif mode == "int4" and calibration is not None and calibration.covers(source_key):
-            codes, scale, offset = calibration.quantize(source_key, w, block)                          # [in, out]
-            use_block, dtype, out_in = block, "uint4", True
-            codes, scale, offset = codes.T, scale.T, offset.T
-        else:
-            codes, scale, offset = quantize_array(w, mode, block)                                      # [in, out]
+        else:                                                                                          # [in, out]
+            calibrated = mode == "int4" and calibration is not None and calibration.covers(source_key)
+            codes, scale, offset = (calibration.quantize(source_key, w, block) if calibrated
+                                    else quantize_array(w, mode, block))
             use_block = block if mode == "int4" else 0
             dtype = "uint4" if mode == "int4" else "int8"
             out_in = dtype == "uint4"
@@ -344,9 +345,7 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
                               numpy_helper.from_array(np.ascontiguousarray(scale), name + SCALE)])
         p = f"{PREFIX}{k}/"
         activation = g.node[reader].input[0]
-        nodes = gate_nodes(name + SCALE, activation, p, ZERO)
-        scale_in, cast = _as_float(p + "x", scale, p + "x32")
-        nodes += cast
+        scale_in, nodes = _gated_float(name + SCALE, scale, activation, p)
         # [out, in]: blocks along axis 1 of the codes; [in, out]: blocks along axis 0, or one scale per column
         axis = (1 if out_in else 0) if use_block else 1
         dq_out = p + "wt" if out_in else name
@@ -357,9 +356,8 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
             offset = np.ascontiguousarray(offset).reshape(nn, kk // use_block, 1)
             offset_in = name + OFFSET
             if offset.dtype == np.float16:          # gated like the scales, so its float32 copy is transient too
-                nodes += gate_nodes(name + OFFSET, activation, p + "o/", ZERO)
-                offset_in, cast = _as_float(p + "o/x", offset, p + "o/x32")
-                nodes += cast
+                offset_in, gated = _gated_float(name + OFFSET, offset, activation, p + "o/")
+                nodes += gated
             g.initializer.extend([
                 numpy_helper.from_array(offset if offset.dtype == np.float16 else offset.astype(np.float32),
                                         name + OFFSET),
@@ -498,10 +496,6 @@ def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] =
     return out
 
 
-def chain_outputs(chain: list[onnx.NodeProto]) -> set[str]:
-    return {o for c in chain for o in c.output}
-
-
 def _gated(g: onnx.GraphProto, produced_by: dict, x: str) -> bool:
     """x is a gated alias of a constant (gate_nodes' Reshape), or its float32 Cast."""
     return x.startswith(PREFIX) and x in produced_by and g.node[produced_by[x]].op_type in ("Reshape", "Cast")
@@ -551,9 +545,10 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
                 continue
             p = f"{PREFIX}bwd/{count}/"
             nodes, renamed = [], {}
+            inner = {o for c in chain for o in c.output}
             for c in chain:                # the scales and a gated offset: gated again on the backward input
                 for x in c.input[1:]:
-                    if x not in renamed and x not in chain_outputs(chain) and _gated(g, produced_by, x):
+                    if x not in renamed and x not in inner and _gated(g, produced_by, x):
                         renamed[x] = _regate(g, produced_by, x, gate, f"{p}{len(renamed)}/", nodes)
             for c in chain:                           # the DequantizeLinear (and Q4_K's offset nodes), renamed
                 new = copy.deepcopy(c)
