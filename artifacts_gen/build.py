@@ -383,12 +383,14 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     changed = any(slow_kernels.replace_slow_kernels(training).values())
     changed |= recompute.recompute_activations(training) > 0      # after them: it reads their backward nodes
     changed |= quantize.recompute_dequantized(training, dequantized) > 0
+    changed |= quantize.fuse_transposes(training) > 0             # last: the recomputed copies' Transposes too
     if changed:
         onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
     # What generate_artifacts does to its eval model: trainable initializers become inputs, training mode off.
     tgu._move_initializers_to_inputs(eval_model, set(requires_grad))
     tgu._disable_training_mode(eval_model)
+    quantize.fuse_transposes(eval_model)
     onnx.save(eval_model, str(stage / mf.EVAL_MODEL))
 
 

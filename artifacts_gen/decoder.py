@@ -124,7 +124,7 @@ def fix_decoder(model: onnx.ModelProto, sources: dict[str, np.ndarray], train: l
         model.graph.initializer.remove(inits[t.onnx_name])
         model.graph.input.append(helper.make_tensor_value_info(t.onnx_name, onnx.TensorProto.FLOAT, t.shape))
     model, weights = quantize.quantize_forward(model, quant, quant_block, {t.onnx_name for t in train},
-                                               graph_fixes.TRANSPOSED, exact, calibration)
+                                               graph_fixes.TRANSPOSED, exact, calibration, split_offsets=False)
     model, _ = nbits.fuse(model, weights)       # one token at a time: multiply by the codes, never dequantize
     return model
 

@@ -9,10 +9,14 @@ Modes (`pocketlora gen --quant`):
 
 Layout: the graphs read W [in, out] (MatMul's B). 4-bit codes are stored transposed, [out, in] with the blocks
 along in, as GGUF stores them and as ORT's MatMulNBits reads them, so the decoder multiplies by the very bytes the
-training graphs dequantize (nbits.py); the training graphs dequantize [out, in] and Transpose (ORT fuses the
-Transpose into the MatMul: FusedMatMul or Gemm with transB). 8-bit codes stay [in, out]: ORT 1.19's training
-session rewrites a Transpose of an int8 DequantizeLinear into a QuantizeLinear of the wrong type and fails to start
-(measured 2026-12-06), so the decoder transposes them once when its session starts.
+training graphs dequantize (nbits.py); the training and eval graphs dequantize [out, in] and multiply by it
+transposed (FusedMatMul or Gemm with transB: fuse_transposes), forward and backward. Their offsets per block are
+applied to the activation, y = X (C S)^T + blocksum(X) O^T (_add_offset_term), so the DequantizeLinear's output is
+the only float32 copy of a weight: with the offset added to the weight and a float32 Transpose, Qwen2.5-0.5B in
+--memory low took 54 MiB more anonymous memory than with [in, out] codes (587 against 533 MiB, 2026-12-06).
+8-bit codes stay [in, out]: ORT 1.19's training session rewrites a Transpose of an int8 DequantizeLinear into a
+QuantizeLinear of the wrong type and fails to start (measured 2026-12-06; uint4 too), so the decoder transposes
+them once when its session starts.
 
 What: every frozen weight read as the B input of a MatMul (Qwen2's and Gemma3's nn.Linear, stored W.T) or of a
 Gemm without transB (GPT-2's Conv1D). The LoRA tensors, norms and biases stay float32, and so (for now) do the
@@ -272,6 +276,80 @@ def _gated_float(name: str, values: np.ndarray, activation: str, p: str) -> tupl
     return p + "x32", nodes + [helper.make_node("Cast", [p + "x"], [p + "x32"], name=p + "x32", to=TensorProto.FLOAT)]
 
 
+def _shared_initializer(g: onnx.GraphProto, name: str, make) -> str:
+    """Initializer `name`, added once (make() -> TensorProto) and shared by every weight that needs it."""
+    if not any(i.name == name for i in g.initializer):
+        g.initializer.append(make())
+    return name
+
+
+def _zero_points(g: onnx.GraphProto, n: int, nb: int) -> str:
+    """uint4 [n, nb] all 8: the DequantizeLinear computes (C - 8) S, centred, so the offset term is small."""
+    return _shared_initializer(g, f"{PREFIX}zero_points/{n}x{nb}",
+                               lambda: int4_tensor(np.full((n, nb), 8, np.int8), f"{PREFIX}zero_points/{n}x{nb}",
+                                                   unsigned=True))
+
+
+def _offset_t(g: onnx.GraphProto, name: str, offset: np.ndarray, activation: str, p: str, n: int, nb: int,
+              scale32: str) -> tuple[str, list[onnx.NodeProto]]:
+    """((O + 8 S)^T [blocks, out] float32, the nodes making it) from the gated offsets and the gated scales (scale32,
+    [out, blocks]); transposed by a Transpose that fuse_transposes folds into its readers. recompute_dequantized
+    gives the backward pass its own copy."""
+    gated, nodes = _gated_float(name, offset, activation, p + "o/")    # float32 too: no constant to fold
+    g.initializer.append(numpy_helper.from_array(np.array([n, nb], np.int64), p + "o_rows_shape"))
+    eight = _shared_initializer(g, PREFIX + "eight", lambda: numpy_helper.from_array(np.asarray(8, np.float32),
+                                                                                     PREFIX + "eight"))
+    return p + "o_t", nodes + [
+        helper.make_node("Reshape", [gated, p + "o_rows_shape"], [p + "o_rows"], name=p + "o_rows"),
+        helper.make_node("Mul", [scale32, eight], [p + "s8"], name=p + "s8"),
+        helper.make_node("Add", [p + "o_rows", p + "s8"], [p + "o8"], name=p + "o8"),
+        helper.make_node("Transpose", [p + "o8"], [p + "o_t"], name=p + "o_t", perm=[1, 0])]
+
+
+def _block_sum_matrix(g: onnx.GraphProto, k: int, block: int) -> str:
+    """E [k, k / block] float32, E[i, b] = 1 where i // block == b: X E sums X's inputs per block. A constant
+    initializer, shared by every weight of that shape (the shards hold it; ~2.9 MB for k = 4864)."""
+    name = f"{PREFIX}block_sums/{k}x{block}"
+    e = lambda: (np.arange(k)[:, None] // block == np.arange(k // block)[None, :]).astype(np.float32)
+    return _shared_initializer(g, name, lambda: numpy_helper.from_array(e(), name))
+
+
+def _add_offset_term(g: onnx.GraphProto, reader: onnx.NodeProto, offset_t: str, k: int, block: int, p: str,
+                     shared: dict) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """The offset term of a matmul reader y = X W (+ bias) of a weight stored W^T = C S + O (an offset per block of
+    `block` inputs) whose DequantizeLinear gives (C - 8) S: y += blocksum(X) (O + 8 S)^T (offset_t), blocksum(X) =
+    X E (_block_sum_matrix; the decoder's MatMulNBits correction is the same, nbits.py). Centred codes keep both
+    terms about as large as y: with C S + O, both were about twice y and cancelled, and the LoRA gradients of a tiny
+    Gemma3 ended 2.7-3.6e-6 from float64 against 1.4-2.0e-6 for the weight added whole (and for float32 PyTorch);
+    centred, 1.4-1.9e-6 (4 seeds, measured 2026-12-06). No full-size float32 Add, and no
+    Shape of X in the backward pass (a Reshape and ReduceSum would read it there and keep X alive; the matmul's
+    gradient is dX += d(X E) E^T). -> (nodes to run before the reader: X E, made once per activation in `shared`;
+    nodes after it: the offset's matmul and the Add, which now outputs the reader's output)."""
+    x, before = reader.input[0], []
+    if (x, block) not in shared:
+        shared[(x, block)] = p + "sums"
+        before.append(helper.make_node("MatMul", [x, _block_sum_matrix(g, k, block)], [p + "sums"], name=p + "sums"))
+    y = reader.output[0]
+    reader.output[0] = p + "y_codes"
+    return before, [helper.make_node("MatMul", [shared[(x, block)], offset_t], [p + "y_offset"], name=p + "y_offset"),
+                    helper.make_node("Add", [p + "y_codes", p + "y_offset"], [y], name=p + "y")]
+
+
+def _offset_in_chain(g: onnx.GraphProto, name: str, offset: np.ndarray, activation: str, p: str, n: int, k: int,
+                     block: int, out: str) -> list[onnx.NodeProto]:
+    """The nodes after the DequantizeLinear (p + "scaled", [out, in]) that add the offsets to the weight itself:
+    Reshape into blocks, Add, Reshape back to `out` (the decoder's form: nbits.fuse folds the offsets)."""
+    offset_in, nodes = name, []
+    if offset.dtype == np.float16:          # gated like the scales, so its float32 copy is transient too
+        offset_in, nodes = _gated_float(name, offset, activation, p + "o/")
+    g.initializer.extend([numpy_helper.from_array(np.array([n, k // block, block], np.int64), p + "blocks_shape"),
+                          numpy_helper.from_array(np.array([n, k], np.int64), p + "w_shape")])
+    return nodes + [
+        helper.make_node("Reshape", [p + "scaled", p + "blocks_shape"], [p + "blocks"], name=p + "blocks"),
+        helper.make_node("Add", [p + "blocks", offset_in], [p + "shifted"], name=p + "offset"),
+        helper.make_node("Reshape", [p + "shifted", p + "w_shape"], [out], name=p + "w")]
+
+
 def _codes_tensor(codes: np.ndarray, name: str, dtype: str) -> TensorProto:
     if dtype == "int4":
         return int4_tensor(codes, name)
@@ -296,7 +374,8 @@ def _exact_for(name: str, w: np.ndarray, source_key: str, transposed: bool, exac
 
 
 def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[str], transposed_suffix: str,
-                     exact: dict | None = None, calibration=None) -> tuple[onnx.ModelProto, list[mf.QuantizedWeight]]:
+                     exact: dict | None = None, calibration=None, split_offsets: bool = True
+                     ) -> tuple[onnx.ModelProto, list[mf.QuantizedWeight]]:
     """Replace the frozen linear weights of the forward graph (float32 initializers, values inline) by codes +
     scales and a gated DequantizeLinear whose output keeps the weight's name, so every reader is unchanged.
     `keep`: initializers never quantized (the LoRA tensors). `exact` (mode keep): a GGUF source's blocks by HF
@@ -304,7 +383,11 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
     the weights it covers get GPTQ's codes. int4's scales and offsets are float16 initializers, gated and then
     cast to float32 right before their DequantizeLinear (a Cast of an initializer would be a constant, folded
     into a float32 copy on the heap: +170 MiB anonymous memory for Qwen2.5-0.5B in --memory low, measured
-    2026-12-06). -> (the model, possibly at a new opset; the list)."""
+    2026-12-06). An offset per block (uint4: int4, Q4_K) is, with `split_offsets`, not added to the weight but
+    applied to the activation: X W^T = X (C S)^T + blocksum(X) O^T (_add_offset_term), so the only float32 copy
+    of a weight is its DequantizeLinear's; without (the decoder: nbits folds the offsets into a constant), the
+    DequantizeLinear's output is reshaped into blocks, offset and reshaped back (_offset_in_chain).
+    -> (the model, possibly at a new opset; the list)."""
     if mode == "none":
         return model, []
     if mode in ("int4", "keep"):
@@ -313,6 +396,9 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
     inits = {i.name: i for i in g.initializer}
     chosen = _weights_to_quantize(g, keep)
     inserts: dict[int, list[onnx.NodeProto]] = {}
+    after: dict[int, list[onnx.NodeProto]] = {}
+    shared: dict = {}            # an activation's block sums, made once for all its readers (_add_offset_term)
+    read_by = readers(g)
     entries = []
     for k, (name, reader) in enumerate(chosen.items()):
         init = inits[name]
@@ -349,24 +435,23 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
         # [out, in]: blocks along axis 1 of the codes; [in, out]: blocks along axis 0, or one scale per column
         axis = (1 if out_in else 0) if use_block else 1
         dq_out = p + "wt" if out_in else name
-        if offset is None:
-            nodes.append(_dq_node(name + CODES, scale_in, dq_out, p + "dq", use_block, axis))
-        else:       # uint4 [out, in] (int4, Q4_K): + offset per block (Q4_K's -dmin * m; x + (-y) == x - y)
+        in_chain = offset is not None and not split_offsets
+        nodes.append(_dq_node(name + CODES, scale_in, p + "scaled" if in_chain else dq_out, p + "dq", use_block, axis))
+        if offset is not None:      # uint4 [out, in] (int4, Q4_K): + an offset per block (Q4_K's -dmin * m)
             kk, nn = w.shape
             offset = np.ascontiguousarray(offset).reshape(nn, kk // use_block, 1)
-            offset_in = name + OFFSET
-            if offset.dtype == np.float16:          # gated like the scales, so its float32 copy is transient too
-                offset_in, gated = _gated_float(name + OFFSET, offset, activation, p + "o/")
+            g.initializer.append(numpy_helper.from_array(
+                offset if offset.dtype == np.float16 else offset.astype(np.float32), name + OFFSET))
+            if in_chain:
+                nodes += _offset_in_chain(g, name + OFFSET, offset, activation, p, nn, kk, use_block, dq_out)
+            else:
+                nodes[-1].input.append(_zero_points(g, nn, kk // use_block))          # (C - 8) S
+                offset_t, gated = _offset_t(g, name + OFFSET, offset, activation, p, nn, kk // use_block, scale_in)
                 nodes += gated
-            g.initializer.extend([
-                numpy_helper.from_array(offset if offset.dtype == np.float16 else offset.astype(np.float32),
-                                        name + OFFSET),
-                numpy_helper.from_array(np.array([nn, kk // use_block, use_block], np.int64), p + "blocks_shape"),
-                numpy_helper.from_array(np.array([nn, kk], np.int64), p + "w_shape")])
-            nodes += [_dq_node(name + CODES, scale_in, p + "scaled", p + "dq", use_block, axis),
-                      helper.make_node("Reshape", [p + "scaled", p + "blocks_shape"], [p + "blocks"], name=p + "blocks"),
-                      helper.make_node("Add", [p + "blocks", offset_in], [p + "shifted"], name=p + "offset"),
-                      helper.make_node("Reshape", [p + "shifted", p + "w_shape"], [dq_out], name=p + "w")]
+                for j in read_by[name]:
+                    before, after_j = _add_offset_term(g, g.node[j], offset_t, kk, use_block, f"{p}{j}/", shared)
+                    inserts.setdefault(j, []).extend(before)
+                    after.setdefault(j, []).extend(after_j)
         if out_in:
             nodes.append(helper.make_node("Transpose", [dq_out], [name], name=p + "t", perm=[1, 0]))
         inserts.setdefault(reader, []).extend(nodes)
@@ -376,7 +461,7 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
             dtype=dtype, axis=axis, block=use_block,
             offset=name + OFFSET if offset is not None else "", source_format=fmt, codes_transposed=out_in))
     if entries:
-        insert_before(g, inserts)
+        insert_before(g, inserts, after)
         g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
     return model, entries + quantize_vocab(model, keep, exact if mode == "keep" else None)
 
@@ -481,8 +566,8 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = 
 def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] = frozenset()
                    ) -> dict[str, list[onnx.NodeProto]]:
     """The float32 weight each forward DequantizeLinear of `codes` ends in -> the nodes computing it, first to last
-    (the DQ; for an offset per block its Reshape, Add, Reshape; for codes stored [out, in] a Transpose, unless ORT's
-    pre-training optimizer fused it into a Gemm's transB)."""
+    (the DQ; for an offset in the chain its Reshape, Add, Reshape; for codes stored [out, in] a Transpose, unless
+    ORT's pre-training optimizer fused it into a Gemm's transB)."""
     out = {}
     for i, n in enumerate(g.node):
         if n.op_type != "DequantizeLinear" or n.input[0] not in codes or i in bwd:
@@ -496,47 +581,58 @@ def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] =
     return out
 
 
-def _gated(g: onnx.GraphProto, produced_by: dict, x: str) -> bool:
-    """x is a gated alias of a constant (gate_nodes' Reshape), or its float32 Cast."""
-    return x.startswith(PREFIX) and x in produced_by and g.node[produced_by[x]].op_type in ("Reshape", "Cast")
+def _is_gate(n: onnx.NodeProto, constants: set[str]) -> bool:
+    """n is gate_nodes' alias of a constant: Reshape(constant, a shape computed from an activation)."""
+    return n.op_type == "Reshape" and n.input[0] in constants and n.input[1] not in constants
 
 
-def _regate(g: onnx.GraphProto, produced_by: dict, x: str, gate: str, p: str, nodes: list) -> str:
-    """The constant behind the gated alias x, gated on `gate` instead, and cast as x was: appends the nodes,
-    returns the new name of x."""
-    casts = []
-    while _gated(g, produced_by, x):
-        src = g.node[produced_by[x]]
-        if src.op_type == "Cast":
-            casts.append(src)
-        x = src.input[0]
-    nodes += gate_nodes(x, gate, p, ZERO)
-    out = p + "x"
-    for c in reversed(casts):
-        new = copy.deepcopy(c)
-        new.input[0], new.output[0], new.name = out, out + "32", out + "32"
-        nodes.append(new)
-        out += "32"
-    return out
+def _constant_derivation(g: onnx.GraphProto, produced_by: dict, constants: set[str], bwd: set[int], x: str
+                         ) -> list[int] | None:
+    """Indices (in graph order) of the forward nodes computing x from constants and gated aliases of constants
+    (the gates included, not what they wait for), or None when x depends on anything else."""
+    found, stack, seen = set(), [x], set()
+    while stack:
+        t = stack.pop()
+        if not t or t in seen or t in constants:
+            continue
+        seen.add(t)
+        i = produced_by.get(t)
+        if i is None or i in bwd:
+            return None
+        found.add(i)
+        if not _is_gate(g.node[i], constants):
+            stack.extend(g.node[i].input)
+    return sorted(found)
 
 
 def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
-    """In the training graph: each backward reader of a dequantized weight gets its own DequantizeLinear of the
-    codes, gated on one of the reader's backward inputs, so the forward's float32 copy dies with its MatMul. A
-    backward reader with no backward input (e.g. a Transpose of W alone) is gated through its own readers'.
-    In place; -> how many readers were rewired."""
+    """In the training graph: each backward reader of a dequantized weight (or of an offset term's (O + 8 S)^T: what
+    is computed from constants and gated constants alone, `weights`' codes or offsets among them) gets its own copy
+    of that computation, its gates waiting for one of the reader's backward inputs instead, so the forward's float32
+    copy dies with its forward reader. A backward reader with no backward input (e.g. a Transpose of W alone) is
+    gated through its own readers'. In place; -> how many readers were rewired."""
     g = model.graph
     read_by = readers(g)
     bwd = backward_nodes(g, read_by)
     produced_by = {o: i for i, n in enumerate(g.node) for o in n.output}
-    chains = dequant_chains(g, {w + CODES for w in weights}, read_by, bwd)
+    constants = {i.name for i in g.initializer}
+    codes, offsets = {w + CODES for w in weights}, {w + OFFSET for w in weights}
+
+    def of_weights(n: onnx.NodeProto) -> bool:      # a whole weight's dequantization, or a gate of its offsets
+        return ((n.op_type == "DequantizeLinear" and n.input[0] in codes)
+                or (_is_gate(n, constants) and n.input[0] in offsets))
+
     inserts: dict[int, list[onnx.NodeProto]] = {}
     count = 0
-    for w, chain in chains.items():
-        node = chain[0]
-        for j in [j for j in read_by[w] if j in bwd]:
-            reader = g.node[j]
-            gate = next((d for d in reader.input if d in produced_by and produced_by[d] in bwd and d != w), None)
+    for j in sorted(bwd):
+        reader = g.node[j]
+        for x in dict.fromkeys(reader.input):
+            if not x or x not in produced_by or produced_by[x] in bwd:
+                continue
+            derivation = _constant_derivation(g, produced_by, constants, bwd, x)
+            if not derivation or not any(of_weights(g.node[i]) for i in derivation):
+                continue
+            gate = next((d for d in reader.input if d in produced_by and produced_by[d] in bwd), None)
             if gate is None:                 # e.g. Transpose(W): gate on what its first backward reader reads
                 later = [r for o in reader.output for r in read_by[o] if r in bwd]
                 gate = next((d for r in later for d in g.node[r].input
@@ -545,21 +641,21 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
                 continue
             p = f"{PREFIX}bwd/{count}/"
             nodes, renamed = [], {}
-            inner = {o for c in chain for o in c.output}
-            for c in chain:                # the scales and a gated offset: gated again on the backward input
-                for x in c.input[1:]:
-                    if x not in renamed and x not in inner and _gated(g, produced_by, x):
-                        renamed[x] = _regate(g, produced_by, x, gate, f"{p}{len(renamed)}/", nodes)
-            for c in chain:                           # the DequantizeLinear (and Q4_K's offset nodes), renamed
-                new = copy.deepcopy(c)
-                new.input[:] = [renamed.get(x, x) for x in c.input]
-                for o, out in enumerate(c.output):
-                    renamed[out] = p + "w" if out == w else p + f"{len(renamed)}"
+            for i in derivation:
+                n = g.node[i]
+                if _is_gate(n, constants):
+                    nodes += gate_nodes(n.input[0], gate, f"{p}{len(renamed)}/", ZERO)
+                    renamed[n.output[0]] = nodes[-1].output[0]
+                    continue
+                new = copy.deepcopy(n)
+                new.input[:] = [renamed.get(t, t) for t in n.input]
+                for o, out in enumerate(n.output):
+                    renamed[out] = p + "w" if out == x else p + f"{len(renamed)}"
                     new.output[o] = renamed[out]
-                new.name = p + c.op_type + str(len(renamed))
+                new.name = p + n.op_type + str(len(renamed))
                 nodes.append(new)
             inserts.setdefault(j, []).extend(nodes)
-            reader.input[:] = [p + "w" if x == w else x for x in reader.input]
+            reader.input[:] = [renamed[x] if t == x else t for t in reader.input]
             count += 1
     if count:
         insert_before(g, inserts)
@@ -567,6 +663,59 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
             g.initializer.append(numpy_helper.from_array(np.asarray(0, dtype=np.int64), ZERO))
     return count
 
+
+def _fold_transpose_b(r: onnx.NodeProto, wt: str, w: str) -> bool:
+    """Reader r of wt = Transpose(w) made to read w itself, if r is a matmul reading wt (only) as its B."""
+    if len(r.input) < 2 or r.input[1] != wt or list(r.input).count(wt) != 1:
+        return False
+    attrs = {a.name: a for a in r.attribute}
+    if r.op_type == "MatMul":
+        r.op_type, r.domain = "FusedMatMul", "com.microsoft"
+        r.attribute.append(helper.make_attribute("transB", 1))
+    elif r.op_type in ("FusedMatMul", "Gemm") and not ("transBatchB" in attrs and attrs["transBatchB"].i):
+        if "transB" in attrs:
+            attrs["transB"].i = 1 - attrs["transB"].i
+        else:
+            r.attribute.append(helper.make_attribute("transB", 1))
+    else:
+        return False
+    r.input[1] = w
+    return True
+
+
+def fuse_transposes(model: onnx.ModelProto) -> int:
+    """In place: every Transpose of a dequantized [out, in] weight or offset (ours: named under PREFIX) folded into
+    its matmul readers: MatMul(A, W^T) -> FusedMatMul(A, W, transB=1); FusedMatMul or Gemm (transB=t) -> transB
+    1 - t. ORT's gradient builder needs the plain MatMul, so this runs on the finished training and eval graphs.
+    Without it, the backward pass transposes a float32 weight per use, and a Transpose reading a uint4
+    DequantizeLinear (without a zero point) made ORT 1.19.2's optimizer insert a QuantizeLinear of the wrong type,
+    so the session failed to start ("tensor(uint4) ... does not match expected type (tensor(uint8))", as for int8:
+    module note).
+    -> how many readers were rewritten."""
+    g = model.graph
+    read_by = readers(g)
+    outputs = {o.name for o in g.output}
+    count, dead = 0, set()
+    for i, t in enumerate(g.node):
+        if (t.op_type != "Transpose" or not t.name.startswith(PREFIX)
+                or [list(a.ints) for a in t.attribute if a.name == "perm"] != [[1, 0]]):
+            continue
+        left = 0
+        for j in read_by[t.output[0]]:
+            r = g.node[j]
+            if _fold_transpose_b(r, t.output[0], t.input[0]):
+                count += 1
+            else:
+                left += 1
+        if not left and t.output[0] not in outputs:
+            dead.add(i)
+    if dead:
+        kept = [n for i, n in enumerate(g.node) if i not in dead]
+        del g.node[:]
+        g.node.extend(kept)
+    if count and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return count
 
 
 # ------------------------------------------------------------------------------------------ reading a bundle

@@ -75,12 +75,15 @@ def backward_nodes(g: onnx.GraphProto, read_by: dict[str, list[int]] | None = No
     return bwd
 
 
-def insert_before(g: onnx.GraphProto, inserts: dict[int, list[onnx.NodeProto]]) -> None:
-    """In place: the nodes inserts[j] go right before node j (indices of the graph as it is)."""
+def insert_before(g: onnx.GraphProto, inserts: dict[int, list[onnx.NodeProto]],
+                  after: dict[int, list[onnx.NodeProto]] | None = None) -> None:
+    """In place: the nodes inserts[j] go right before node j, and after[j] right after it (indices of the graph as
+    it is)."""
     out = []
     for j, n in enumerate(g.node):
         out += inserts.get(j, [])
         out.append(n)
+        out += (after or {}).get(j, [])
     del g.node[:]
     g.node.extend(out)
 
