@@ -20,6 +20,17 @@ WEB = REPO / "android_runner" / "web"
 
 
 @pytest.fixture(scope="session")
+def gemma3_vocab():
+    """The real Gemma3-270M GGUF's SentencePiece vocabulary (gguf_tokenizer.read_spm_vocab), read once: gguf-py's
+    reader takes ~11 s to parse its 262k tokens."""
+    from artifacts_gen.gguf_tokenizer import read_spm_vocab
+    from artifacts_gen.source import EMBEDDED_DEFAULT, resolve_embedded
+
+    directory, name = resolve_embedded(EMBEDDED_DEFAULT)
+    return read_spm_vocab(directory / name)
+
+
+@pytest.fixture(scope="session")
 def node_web() -> Path:
     """android_runner/web with its pinned npm packages, installed as `pocketlora setup` does (npm ci) when
     they are absent or older than package-lock.json. No Node or a failing npm fails the test; it never skips."""

@@ -8,12 +8,8 @@ import sentencepiece as spm
 
 
 @pytest.fixture(scope="module")
-def vocab():
-    from artifacts_gen.gguf_tokenizer import read_spm_vocab
-    from artifacts_gen.source import EMBEDDED_DEFAULT, resolve_embedded
-
-    directory, name = resolve_embedded(EMBEDDED_DEFAULT)
-    return read_spm_vocab(directory / name)
+def vocab(gemma3_vocab):
+    return gemma3_vocab
 
 
 def _sentencepiece_reference(vocab):

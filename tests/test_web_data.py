@@ -79,7 +79,7 @@ def _run(cmd, cwd, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def tok_dirs(tmp_path_factory, shared_data):
+def tok_dirs(tmp_path_factory, shared_data, gemma3_vocab):
     """Tokenizer directories as bundles carry them (HF save_pretrained): gpt2, qwen2.5, gemma3 (rebuilt
     from the real GGUF, no chat template, as a GGUF bundle has) and gemma3-chat (+ Gemma 3's template)."""
     from transformers import AutoTokenizer
@@ -89,11 +89,9 @@ def tok_dirs(tmp_path_factory, shared_data):
     for name in ("gpt2", "qwen2.5"):
         AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name).save_pretrained(root / name)
         dirs[name] = root / name
-    from artifacts_gen.gguf_tokenizer import build_fast_tokenizer, read_spm_vocab
-    from artifacts_gen.source import EMBEDDED_DEFAULT, resolve_embedded
+    from artifacts_gen.gguf_tokenizer import build_fast_tokenizer
 
-    directory, gguf = resolve_embedded(EMBEDDED_DEFAULT)
-    build_fast_tokenizer(read_spm_vocab(directory / gguf)).save_pretrained(root / "gemma3")
+    build_fast_tokenizer(gemma3_vocab).save_pretrained(root / "gemma3")
     dirs["gemma3"] = root / "gemma3"
     shutil.copytree(root / "gemma3", root / "gemma3-chat")
     (root / "gemma3-chat" / "chat_template.jinja").write_text(GEMMA3_CHAT_TEMPLATE, encoding="utf-8")
