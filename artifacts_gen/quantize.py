@@ -11,7 +11,8 @@ Layout: the graphs read W [in, out] (MatMul's B). 4-bit codes are stored transpo
 along in, as GGUF stores them and as ORT's MatMulNBits reads them, so the decoder multiplies by the very bytes the
 training graphs dequantize (nbits.py); the training and eval graphs dequantize [out, in] and multiply by it
 transposed (FusedMatMul or Gemm with transB: fuse_transposes), forward and backward. Their offsets per block are
-applied to the activation, y = X (C S)^T + blocksum(X) O^T (_add_offset_term), so the DequantizeLinear's output is
+applied to the activation, y = X ((C - 8) S)^T + (X E)(O + 8 S)^T (_add_offset_term; E sums X per block), so the
+DequantizeLinear's output is
 the only float32 copy of a weight: with the offset added to the weight and a float32 Transpose, Qwen2.5-0.5B in
 --memory low took 54 MiB more anonymous memory than with [in, out] codes (587 against 533 MiB, 2026-12-06).
 8-bit codes stay [in, out]: ORT 1.19's training session rewrites a Transpose of an int8 DequantizeLinear into a
@@ -257,7 +258,9 @@ def _reads_as_b(n: onnx.NodeProto, name: str) -> bool:
         return False
     if n.op_type == "MatMul":
         return True
-    return n.op_type == "Gemm" and not any(a.name == "transB" and a.i for a in n.attribute)
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    return (n.op_type == "Gemm" and not attrs.get("transA", 0) and not attrs.get("transB", 0)
+            and attrs.get("alpha", 1.0) == 1.0)          # y = X W (+ C): the offset term adds to it as it is
 
 
 def _dq_node(codes: str, scale: str, out: str, name: str, block: int, axis: int) -> onnx.NodeProto:
@@ -323,8 +326,9 @@ def _add_offset_term(g: onnx.GraphProto, reader: onnx.NodeProto, offset_t: str, 
     Gemma3 ended 2.7-3.6e-6 from float64 against 1.4-2.0e-6 for the weight added whole (and for float32 PyTorch);
     centred, 1.4-1.9e-6 (4 seeds, measured 2026-12-06). No full-size float32 Add, and no
     Shape of X in the backward pass (a Reshape and ReduceSum would read it there and keep X alive; the matmul's
-    gradient is dX += d(X E) E^T). -> (nodes to run before the reader: X E, made once per activation in `shared`;
-    nodes after it: the offset's matmul and the Add, which now outputs the reader's output)."""
+    gradient is dX += d(X E) E^T). -> (nodes to run before the activation's first quantized reader: X E, made once
+    per activation in `shared`; nodes after this reader: the offset's matmul and the Add, which now outputs the
+    reader's output)."""
     x, before = reader.input[0], []
     if (x, block) not in shared:
         shared[(x, block)] = p + "sums"
@@ -377,14 +381,15 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
                      exact: dict | None = None, calibration=None, split_offsets: bool = True
                      ) -> tuple[onnx.ModelProto, list[mf.QuantizedWeight]]:
     """Replace the frozen linear weights of the forward graph (float32 initializers, values inline) by codes +
-    scales and a gated DequantizeLinear whose output keeps the weight's name, so every reader is unchanged.
+    scales and a gated DequantizeLinear (whose output keeps the weight's name, or for a 4-bit weight with split
+    offsets feeds a Transpose that does; its readers' outputs then come from the offset term's Add).
     `keep`: initializers never quantized (the LoRA tensors). `exact` (mode keep): a GGUF source's blocks by HF
     name (gguf_exact.read_exact); weights without them stay float32. `calibration` (mode int4, gptq.Calibration):
     the weights it covers get GPTQ's codes. int4's scales and offsets are float16 initializers, gated and then
     cast to float32 right before their DequantizeLinear (a Cast of an initializer would be a constant, folded
     into a float32 copy on the heap: +170 MiB anonymous memory for Qwen2.5-0.5B in --memory low, measured
     2026-12-06). An offset per block (uint4: int4, Q4_K) is, with `split_offsets`, not added to the weight but
-    applied to the activation: X W^T = X (C S)^T + blocksum(X) O^T (_add_offset_term), so the only float32 copy
+    applied to the activation: y = X ((C - 8) S)^T + (X E)(O + 8 S)^T (_add_offset_term), so the only float32 copy
     of a weight is its DequantizeLinear's; without (the decoder: nbits folds the offsets into a constant), the
     DequantizeLinear's output is reshaped into blocks, offset and reshaped back (_offset_in_chain).
     -> (the model, possibly at a new opset; the list)."""
@@ -399,6 +404,10 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
     after: dict[int, list[onnx.NodeProto]] = {}
     shared: dict = {}            # an activation's block sums, made once for all its readers (_add_offset_term)
     read_by = readers(g)
+    first_reader: dict[str, int] = {}     # activation -> its first quantized reader, where its block sums go
+    for name in chosen:
+        for j in read_by[name]:
+            first_reader[g.node[j].input[0]] = min(j, first_reader.get(g.node[j].input[0], j))
     entries = []
     for k, (name, reader) in enumerate(chosen.items()):
         init = inits[name]
@@ -449,8 +458,9 @@ def quantize_forward(model: onnx.ModelProto, mode: str, block: int, keep: set[st
                 offset_t, gated = _offset_t(g, name + OFFSET, offset, activation, p, nn, kk // use_block, scale_in)
                 nodes += gated
                 for j in read_by[name]:
+                    x = g.node[j].input[0]
                     before, after_j = _add_offset_term(g, g.node[j], offset_t, kk, use_block, f"{p}{j}/", shared)
-                    inserts.setdefault(j, []).extend(before)
+                    inserts.setdefault(first_reader[x], []).extend(before)
                     after.setdefault(j, []).extend(after_j)
         if out_in:
             nodes.append(helper.make_node("Transpose", [dq_out], [name], name=p + "t", perm=[1, 0]))
@@ -563,17 +573,16 @@ def quantize_vocab(model: onnx.ModelProto, keep: set[str], exact: dict | None = 
     return entries
 
 
-def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] = frozenset()
-                   ) -> dict[str, list[onnx.NodeProto]]:
-    """The float32 weight each forward DequantizeLinear of `codes` ends in -> the nodes computing it, first to last
-    (the DQ; for an offset in the chain its Reshape, Add, Reshape; for codes stored [out, in] a Transpose, unless
-    ORT's pre-training optimizer fused it into a Gemm's transB)."""
+def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by) -> dict[str, list[onnx.NodeProto]]:
+    """The float32 weight each DequantizeLinear of `codes` ends in -> the nodes computing it, first to last (the DQ;
+    for an offset in the chain its Reshape, Add, Reshape; for codes stored [out, in] a Transpose): the decoder's
+    graph (nbits.fuse)."""
     out = {}
-    for i, n in enumerate(g.node):
-        if n.op_type != "DequantizeLinear" or n.input[0] not in codes or i in bwd:
+    for n in g.node:
+        if n.op_type != "DequantizeLinear" or n.input[0] not in codes:
             continue
         chain, w = [n], n.output[0]
-        while (len(read_by[w]) == 1 and read_by[w][0] not in bwd
+        while (len(read_by[w]) == 1
                and g.node[read_by[w][0]].op_type in ("Reshape", "Add", "Transpose")):
             chain.append(g.node[read_by[w][0]])
             w = chain[-1].output[0]
@@ -582,14 +591,17 @@ def dequant_chains(g: onnx.GraphProto, codes: set[str], read_by, bwd: set[int] =
 
 
 def _is_gate(n: onnx.NodeProto, constants: set[str]) -> bool:
-    """n is gate_nodes' alias of a constant: Reshape(constant, a shape computed from an activation)."""
-    return n.op_type == "Reshape" and n.input[0] in constants and n.input[1] not in constants
+    """n is gate_nodes' alias of a constant (ours, named under PREFIX): Reshape(constant, a shape computed from an
+    activation)."""
+    return (n.op_type == "Reshape" and n.name.startswith(PREFIX) and n.input[0] in constants
+            and n.input[1] not in constants)
 
 
-def _constant_derivation(g: onnx.GraphProto, produced_by: dict, constants: set[str], bwd: set[int], x: str
-                         ) -> list[int] | None:
+def _constant_derivation(g: onnx.GraphProto, produced_by: dict, constants: set[str], bwd: set[int], x: str,
+                         variable: set[str]) -> list[int] | None:
     """Indices (in graph order) of the forward nodes computing x from constants and gated aliases of constants
-    (the gates included, not what they wait for), or None when x depends on anything else."""
+    (the gates included, not what they wait for), or None when x depends on anything else (`variable`: tensors
+    known to, added to)."""
     found, stack, seen = set(), [x], set()
     while stack:
         t = stack.pop()
@@ -597,7 +609,8 @@ def _constant_derivation(g: onnx.GraphProto, produced_by: dict, constants: set[s
             continue
         seen.add(t)
         i = produced_by.get(t)
-        if i is None or i in bwd:
+        if t in variable or i is None or i in bwd:
+            variable.add(x)
             return None
         found.add(i)
         if not _is_gate(g.node[i], constants):
@@ -623,14 +636,16 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
                 or (_is_gate(n, constants) and n.input[0] in offsets))
 
     inserts: dict[int, list[onnx.NodeProto]] = {}
+    variable: set[str] = set()
     count = 0
     for j in sorted(bwd):
         reader = g.node[j]
         for x in dict.fromkeys(reader.input):
             if not x or x not in produced_by or produced_by[x] in bwd:
                 continue
-            derivation = _constant_derivation(g, produced_by, constants, bwd, x)
-            if not derivation or not any(of_weights(g.node[i]) for i in derivation):
+            derivation = _constant_derivation(g, produced_by, constants, bwd, x, variable)
+            if (not derivation or not any(of_weights(g.node[i]) for i in derivation)
+                    or not any(_is_gate(g.node[i], constants) for i in derivation)):     # ungated: a constant
                 continue
             gate = next((d for d in reader.input if d in produced_by and produced_by[d] in bwd), None)
             if gate is None:                 # e.g. Transpose(W): gate on what its first backward reader reads
@@ -687,10 +702,10 @@ def fuse_transposes(model: onnx.ModelProto) -> int:
     """In place: every Transpose of a dequantized [out, in] weight or offset (ours: named under PREFIX) folded into
     its matmul readers: MatMul(A, W^T) -> FusedMatMul(A, W, transB=1); FusedMatMul or Gemm (transB=t) -> transB
     1 - t. ORT's gradient builder needs the plain MatMul, so this runs on the finished training and eval graphs.
-    Without it, the backward pass transposes a float32 weight per use, and a Transpose reading a uint4
-    DequantizeLinear (without a zero point) made ORT 1.19.2's optimizer insert a QuantizeLinear of the wrong type,
-    so the session failed to start ("tensor(uint4) ... does not match expected type (tensor(uint8))", as for int8:
-    module note).
+    Without it, the backward pass transposes a float32 weight per use, and ORT 1.19.2 fails to start a session
+    on a Transpose reading a uint4 DequantizeLinear (without a zero point: a QuantizeLinear of the wrong type,
+    "tensor(uint4) ... does not match expected type (tensor(uint8))", as for int8, module note; with one: a scale
+    shape error), so this pass is required.
     -> how many readers were rewritten."""
     g = model.graph
     read_by = readers(g)

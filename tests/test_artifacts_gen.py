@@ -141,7 +141,7 @@ def ten_adamw_steps(bundle, ref, seed: int = 4) -> tuple[dict, dict, dict]:
     (float32 or float64) from the same LoRA on the same batches. -> (ORT's LoRA, PyTorch's, the start; PEFT keys)."""
     man = bundle.manifest
     lora = random_lora(man, seed=seed)
-    batches = [sample_batch(man.model.vocab_size, 2, 24, seed=10 + i) for i in range(10)]
+    batches = adamw_batches(man)
     lr = 1e-2
 
     sess = TrainSession(bundle)
@@ -151,24 +151,28 @@ def ten_adamw_steps(bundle, ref, seed: int = 4) -> tuple[dict, dict, dict]:
         sess.step(lr)
     ort_final = to_peft_layout(man, sess.lora())
 
-    torch_final = torch_adamw_steps(bundle, ref, lora, lr)
+    torch_final = torch_adamw_steps(bundle, ref, lora, batches, lr)
     moved = max(np.abs(torch_final[k] - lora[k]).max() for k in lora)
     assert moved > 1e-3   # a comparison of the ends is not vacuous
     return ort_final, torch_final, lora
 
 
-def torch_adamw_steps(bundle, ref, lora: dict, lr: float = 1e-2) -> dict:
-    """ten_adamw_steps' PyTorch side: torch.optim.AdamW (with clipping) on PEFT model `ref` from `lora`, on the same
-    10 batches. -> the final LoRA (PEFT keys)."""
-    man = bundle.manifest
-    spec = man.optimizer
+def adamw_batches(man) -> list[dict]:
+    """ten_adamw_steps' 10 batches."""
+    return [sample_batch(man.model.vocab_size, 2, 24, seed=10 + i) for i in range(10)]
+
+
+def torch_adamw_steps(bundle, ref, lora: dict, batches: list[dict], lr: float = 1e-2) -> dict:
+    """ten_adamw_steps' PyTorch side: torch.optim.AdamW (with clipping) on PEFT model `ref` from `lora`, one step per
+    batch. -> the final LoRA (PEFT keys)."""
+    spec = bundle.manifest.optimizer
     load_lora_into(ref, lora)
     params = peft_lora_params(ref)
     opt = torch.optim.AdamW(params.values(), lr=lr, betas=(spec["beta1"], spec["beta2"]), eps=spec["eps"],
                             weight_decay=spec["weight_decay"])
-    for i in range(10):
+    for b in batches:
         opt.zero_grad()
-        ref(**torch_batch(sample_batch(man.model.vocab_size, 2, 24, seed=10 + i))).loss.backward()
+        ref(**torch_batch(b)).loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), spec["clip"])
         opt.step()
     return {k: p.detach().numpy().copy() for k, p in params.items()}

@@ -114,19 +114,20 @@ def well_posed(bundle, ref64, seed: int) -> bool:
     ends within 1e-6 of it. Some starts amplify that 100-fold: on a tiny Gemma3 int4, seeds 4 and 5 ended 2.1e-5
     and 2.9e-5 apart, seeds 6-10 2.5-8e-7 (2026-12-06), and float32 PyTorch itself ended 2.2e-5 from float64 on
     seed 5."""
-    from tests.bundle_helpers import load_lora_into, peft_lora_params, random_lora, sample_batch, torch_batch
-    from tests.test_artifacts_gen import torch_adamw_steps
+    from tests.bundle_helpers import load_lora_into, peft_lora_params, random_lora, torch_batch
+    from tests.test_artifacts_gen import adamw_batches, torch_adamw_steps
 
     lora = random_lora(bundle.manifest, seed)
     load_lora_into(ref64, lora)
     ref64.zero_grad()
-    ref64(**torch_batch(sample_batch(bundle.manifest.model.vocab_size, 2, 24, seed=10))).loss.backward()
+    batches = adamw_batches(bundle.manifest)
+    ref64(**torch_batch(batches[0])).loss.backward()
     grads = [p.grad.numpy() for p in peft_lora_params(ref64).values()]
     if not all((np.abs(g) >= 1e-6 * np.abs(g).max()).all() for g in grads):
         return False
     rng = np.random.default_rng(seed)
     nudged = {k: v * (1 + 1e-7 * rng.choice([-1.0, 1.0], v.shape)) for k, v in lora.items()}
-    a, b = torch_adamw_steps(bundle, ref64, lora), torch_adamw_steps(bundle, ref64, nudged)
+    a, b = torch_adamw_steps(bundle, ref64, lora, batches), torch_adamw_steps(bundle, ref64, nudged, batches)
     return max(np.abs(a[k] - b[k]).max() for k in a) <= 1e-6
 
 
@@ -251,3 +252,43 @@ def test_bad_quant_options_fail_in_one_line_before_anything_is_written(tmp_path,
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
+
+
+def test_offset_term_with_shared_activations_and_a_weight_read_twice():
+    """int4's offset term where block sums are shared: weight A read by m1(x1) and m3(x2), weight B by m2(x2), in that
+    order, so x2's block sums must come before m2 although A reaches x2 first. The graph stays topologically sorted
+    (onnx.checker), and ORT's outputs equal numpy's x @ W on the weights dequantized here from codes, scales and
+    offsets (W^T[n, k] = C[n, k] S[n, k // block] + O[n, k // block])."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n, block = 64, 24, 16
+    rng = np.random.default_rng(0)
+    wa, wb = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
+    x1 = helper.make_tensor_value_info("x1", TensorProto.FLOAT, ["b", k])
+    x2 = helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["b", "t", k])
+    outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ("y1", "y2", "y3")]
+    nodes = [helper.make_node("MatMul", ["x1", "A"], ["y1"], name="m1"),
+             helper.make_node("MatMul", ["x2", "B"], ["y2"], name="m2"),
+             helper.make_node("MatMul", ["x2", "A"], ["y3"], name="m3")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x1, x2], outs, [numpy_helper.from_array(wa, "A"),
+                                                                            numpy_helper.from_array(wb, "B")]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model, entries = quantize.quantize_forward(model, "int4", block, set(), ".T")
+    assert {e.onnx_name for e in entries} == {"A", "B"}
+    quantize.fuse_transposes(model)
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def w(name):                                  # [k, n], from the stored [n, k] codes and [n, k / block] groups
+        c = quantize.read_tensor(inits[name + quantize.CODES]).astype(np.float64)
+        s = numpy_helper.to_array(inits[name + quantize.SCALE]).astype(np.float64).reshape(n, -1)
+        o = numpy_helper.to_array(inits[name + quantize.OFFSET]).astype(np.float64).reshape(n, -1)
+        return (c * np.repeat(s, block, axis=1) + np.repeat(o, block, axis=1)).T
+
+    a1, a2 = rng.standard_normal((3, k)).astype(np.float32), rng.standard_normal((2, 5, k)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["y1", "y2", "y3"], {"x1": a1, "x2": a2})
+    for y, want in zip(got, (a1 @ w("A"), a2 @ w("B"), a2 @ w("A"))):
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
