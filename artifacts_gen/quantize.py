@@ -12,9 +12,9 @@ along in, as GGUF stores them and as ORT's MatMulNBits reads them, so the decode
 training graphs dequantize (nbits.py); the training and eval graphs dequantize [out, in] and multiply by it
 transposed (FusedMatMul or Gemm with transB: fuse_transposes), forward and backward. Their offsets per block are
 applied to the activation, y = X ((C - 8) S)^T + (X E)(O + 8 S)^T (_add_offset_term; E sums X per block), so the
-DequantizeLinear's output is
-the only float32 copy of a weight: with the offset added to the weight and a float32 Transpose, Qwen2.5-0.5B in
---memory low took 54 MiB more anonymous memory than with [in, out] codes (587 against 533 MiB, 2026-12-06).
+DequantizeLinear's output is the only float32 copy of a weight: with the offset added to the weight and a float32
+Transpose, Qwen2.5-0.5B in --memory low took 54 MiB more anonymous memory than with [in, out] codes (587 against 533
+MiB, 2026-12-06; 543 since).
 8-bit codes stay [in, out]: ORT 1.19's training session rewrites a Transpose of an int8 DequantizeLinear into a
 QuantizeLinear of the wrong type and fails to start (measured 2026-12-06; uint4 too), so the decoder transposes
 them once when its session starts.
@@ -288,9 +288,8 @@ def _shared_initializer(g: onnx.GraphProto, name: str, make) -> str:
 
 def _zero_points(g: onnx.GraphProto, n: int, nb: int) -> str:
     """uint4 [n, nb] all 8: the DequantizeLinear computes (C - 8) S, centred, so the offset term is small."""
-    return _shared_initializer(g, f"{PREFIX}zero_points/{n}x{nb}",
-                               lambda: int4_tensor(np.full((n, nb), 8, np.int8), f"{PREFIX}zero_points/{n}x{nb}",
-                                                   unsigned=True))
+    name = f"{PREFIX}zero_points/{n}x{nb}"
+    return _shared_initializer(g, name, lambda: int4_tensor(np.full((n, nb), 8, np.int8), name, unsigned=True))
 
 
 def _offset_t(g: onnx.GraphProto, name: str, offset: np.ndarray, activation: str, p: str, n: int, nb: int,
@@ -597,24 +596,26 @@ def _is_gate(n: onnx.NodeProto, constants: set[str]) -> bool:
             and n.input[1] not in constants)
 
 
-def _constant_derivation(g: onnx.GraphProto, produced_by: dict, constants: set[str], bwd: set[int], x: str,
-                         variable: set[str]) -> list[int] | None:
-    """Indices (in graph order) of the forward nodes computing x from constants and gated aliases of constants
-    (the gates included, not what they wait for), or None when x depends on anything else (`variable`: tensors
-    known to, added to)."""
-    found, stack, seen = set(), [x], set()
+def _gated_constants(g: onnx.GraphProto, constants: set[str], bwd: set[int]) -> set[str]:
+    """The forward tensors computed from constants and gated aliases of constants alone (the gates' own shape
+    inputs aside), in one pass: the graph's nodes are in topological order."""
+    out: set[str] = set()
+    for i, n in enumerate(g.node):
+        if i not in bwd and (_is_gate(n, constants) or all(not x or x in constants or x in out for x in n.input)):
+            out.update(n.output)
+    return out
+
+
+def _derivation(g: onnx.GraphProto, produced_by: dict, constants: set[str], x: str) -> list[int]:
+    """Indices (in graph order) of the nodes computing x, one of _gated_constants, back to its gates (included)."""
+    found, stack = set(), [x]
     while stack:
         t = stack.pop()
-        if not t or t in seen or t in constants:
+        if not t or t in constants or produced_by[t] in found:
             continue
-        seen.add(t)
-        i = produced_by.get(t)
-        if t in variable or i is None or i in bwd:
-            variable.add(x)
-            return None
-        found.add(i)
-        if not _is_gate(g.node[i], constants):
-            stack.extend(g.node[i].input)
+        found.add(produced_by[t])
+        if not _is_gate(g.node[produced_by[t]], constants):
+            stack.extend(g.node[produced_by[t]].input)
     return sorted(found)
 
 
@@ -636,15 +637,15 @@ def recompute_dequantized(model: onnx.ModelProto, weights: list[str]) -> int:
                 or (_is_gate(n, constants) and n.input[0] in offsets))
 
     inserts: dict[int, list[onnx.NodeProto]] = {}
-    variable: set[str] = set()
+    gated = _gated_constants(g, constants, bwd)
     count = 0
     for j in sorted(bwd):
         reader = g.node[j]
         for x in dict.fromkeys(reader.input):
-            if not x or x not in produced_by or produced_by[x] in bwd:
+            if x not in gated:
                 continue
-            derivation = _constant_derivation(g, produced_by, constants, bwd, x, variable)
-            if (not derivation or not any(of_weights(g.node[i]) for i in derivation)
+            derivation = _derivation(g, produced_by, constants, x)
+            if (not any(of_weights(g.node[i]) for i in derivation)
                     or not any(_is_gate(g.node[i], constants) for i in derivation)):     # ungated: a constant
                 continue
             gate = next((d for d in reader.input if d in produced_by and produced_by[d] in bwd), None)

