@@ -515,6 +515,19 @@ def gather_dequantized(codes: str, scale: str, idx: str, out: str, p: str, axis_
                     n("Mul", [p + "f", p + "s1"], [out], name=p + "w")]
 
 
+def lookups(g: onnx.GraphProto, codes: str) -> list[tuple[list[int], str, str]]:
+    """The row lookups of the int8 table `codes` that gather_dequantized made: (their nodes' indices, the ids
+    they read, the rows they output)."""
+    at = {n.name: i for i, n in enumerate(g.node) if n.name}
+    found = []
+    for n in g.node:
+        if n.op_type == "Gather" and n.input[0] == codes and n.name.endswith("q") and n.output[0] == n.name:
+            p = n.name[:-1]
+            members = [at[p + part] for part in ("q", "s", "f", "s1", "w") if p + part in at]
+            found.append((members, n.input[1], g.node[at[p + "w"]].output[0]))
+    return found
+
+
 AXIS_LAST = PREFIX + "axis_last"
 
 

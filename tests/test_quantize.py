@@ -209,6 +209,49 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
         assert_four_bit_weights_read_as_dequantized(graph, bundle.manifest.quant.weights)
 
 
+MAPPED_TWICE = """
+import json, sys
+import numpy as np
+from ort_trainer.bundle import open_bundle
+from ort_trainer.session import TrainSession
+from tests.bundle_helpers import sample_batch
+bundle = open_bundle(sys.argv[1], verify="none")
+sess = TrainSession(bundle)
+sess.forward_backward(sample_batch(bundle.manifest.model.vocab_size, 2, 33, seed=0), 1.0)
+maps = []
+for line in open("/proc/self/smaps"):
+    f = line.split()
+    if not f[0].endswith(":") and len(f) > 5 and "/weights-" in f[5]:
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        maps.append((f[5], int(f[2], 16), int(f[2], 16) + hi - lo))
+print(json.dumps(maps))
+"""
+
+
+def test_no_shard_bytes_are_mapped_twice(built):
+    """ORT maps each external initializer on its own, and RSS counts a page once per mapping. The LM head's
+    vocabulary views and the tied embedding lookup must read the same mappings, not the views and the whole table
+    (Qwen2.5-0.5B int4 had its 130 MiB table in RSS twice). After a pass over ids across the vocabulary, no run of
+    a shard's bytes longer than two pages (neighbours sharing a page) is mapped twice in the process."""
+    import json
+    from pathlib import Path
+
+    family, mode, ckpt, bundle = built
+    out = subprocess.run([sys.executable, "-c", MAPPED_TWICE, str(bundle.path)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    maps = json.loads(out.splitlines()[-1])
+    assert maps, "no shard mapped"
+    for path in {m[0] for m in maps}:
+        edges = sorted([(a, 1) for p, a, _ in maps if p == path] + [(b, -1) for p, _, b in maps if p == path])
+        depth, start, longest = 0, 0, 0
+        for x, d in edges:
+            if depth >= 2:
+                longest = max(longest, x - start)
+            depth += d
+            start = x
+        assert longest <= 2 * 4096, f"{Path(path).name}: {longest:,} bytes mapped twice"
+
+
 def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> None:
     """A 4-bit [out, in] weight's float32 copy is its DequantizeLinear's output, read by matmuls as it is (B
     transposed), forward and backward: no Transpose (ORT 1.19's optimizer breaks a Transpose of a uint4 DQ) and no
