@@ -6,12 +6,16 @@ backward pass. Peak RSS grows linearly with the sequences of a micro-batch (benc
 shapes: e.g. Qwen2.5-0.5B 2,293 / 2,515 / 2,963 / 3,829 MiB at 1 / 2 / 4 / 8 sequences, +~110 MiB
 each), so two measured forward/backward passes predict the rest:
 
-1. run a worst-case micro-batch of 1, then of 2 sequences (every position a real, labelled token,
-   at the bundle's seq-len), each time from a reset peak (VmHWM); gradients are dropped after each,
-   so the model is untouched;
+1. run a worst-case micro-batch of 1 sequence (every position a real, labelled token, at the bundle's
+   seq-len) from a reset peak (VmHWM); then one of 2 sequences, but only if even the first pass's peak plus
+   all it added fits the budget (else the device trains 1 sequence at a time: the probe itself never goes over);
+   gradients are dropped after each, so the model is untouched. A peak counts the weight shards' pages the
+   pass did not read (training reads every embedding row; the pass, token 0's);
 2. peak(m) = peak(1) + (m - 1) * (peak(2) - peak(1)); pick the largest m that divides the effective
    batch and whose prediction fits the budget;
-3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget.
+3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget;
+4. if the chosen m is below the largest measured, train in a new session (the loop): ORT's arena keeps what
+   its largest pass needed.
 
 The measurement is this device's own: its ORT build, its allocator, its page size. In the normal
 memory mode the budget counts all of RSS, the memory-mapped weights included. With `--memory low` the
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import peak_rss_mb, reset_peak_rss, rss_mb, status_mb
+from .metrics import peak_rss_mb, reset_peak_rss, rss_mb, status_mb, unfaulted_mb
 
 AUTO = "auto"
 AUTO_FRACTION = 0.8    # `auto`: this share of what the system can still give (MemAvailable + own RSS, or a cgroup limit)
@@ -108,13 +112,25 @@ def worst_case_batch(micro: int, seq_len: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
 
 
-def measure_peak_mb(session, micro: int, seq_len: int, anonymous: bool = False) -> float:
-    """Peak RSS of one forward/backward pass at `micro` worst-case sequences (`anonymous`: minus the
-    file-backed pages, the memory-mapped weights); the gradients are dropped."""
+@dataclass(frozen=True)
+class Pass:
+    peak_mb: float         # what the budget counts at the pass's peak
+    growth_mb: float       # of it, the anonymous memory the pass added (activations, the arena's growth)
+
+
+def measure_pass(session, micro: int, seq_len: int, anonymous: bool = False, mapped=()) -> Pass:
+    """One forward/backward pass at `micro` worst-case sequences from a reset peak; the gradients are dropped.
+    Its peak is the process's peak RSS plus the pages of the `mapped` files (the weight shards) it did not read:
+    the pass reads the embedding's row of token 0 only, and training reads them all (without them, GPT-2 int4 at
+    2 x 4 was measured at 456 MiB and trained at 510, 39 of them shard pages). `anonymous` (--memory low): the peak
+    RSS minus the file-backed pages instead."""
+    anon_before = status_mb("RssAnon") or 0.0
     reset_peak_rss()
     session.forward_backward(worst_case_batch(micro, seq_len), 1.0 / (micro * seq_len))
     session.drop_grads()
-    return peak_rss_mb() - ((status_mb("RssFile") or 0.0) if anonymous else 0.0)
+    anon_peak = peak_rss_mb() - (status_mb("RssFile") or 0.0)
+    peak = anon_peak if anonymous else peak_rss_mb() + unfaulted_mb(mapped)
+    return Pass(peak, max(0.0, anon_peak - anon_before))
 
 
 @dataclass
@@ -129,11 +145,16 @@ class MemoryFit:
     predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> linear prediction from 1 and 2
     counts: str = "RSS"                                 # or "anonymous RSS" (--memory low)
     start_mb: float = 0.0                               # the process's peak before the fit: the sessions' start
+    bound_2_mb: float = 0.0                             # micro-batch 2 at most (1's peak + 1's growth): run if in budget
 
     def summary(self) -> str:
         meas = ", ".join(f"{m}: {v:,.0f}" for m, v in sorted(self.measured_mb.items()))
+        if 2 in self.measured_mb:
+            meas += f"; +{self.per_sequence_mb:,.0f} MiB per sequence"
+        elif self.effective_batch % 2 == 0:
+            meas += f" (2 not run: it could take up to {self.bound_2_mb:,.0f})"
         return (f"memory budget {self.budget_mb:,.0f} MiB of {self.counts} ({self.budget_source}): measured peak MiB at micro-batch "
-                f"{meas}; +{self.per_sequence_mb:,.0f} MiB per sequence -> micro-batch {self.micro_batch} x accum "
+                f"{meas} -> micro-batch {self.micro_batch} x accum "
                 f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB, measured "
                 f"{self.measured_mb[self.micro_batch]:,.0f}); the sessions' start peaked at {self.start_mb:,.0f} MiB")
 
@@ -143,31 +164,35 @@ class MemoryFit:
 
 def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_source: str = "given",
                        counts: str = "RSS") -> MemoryFit:
-    """`measure(m)` -> peak MiB of a worst-case micro-batch of m sequences. Candidates are the divisors of
-    `effective_batch`; they are measured in increasing order, so a device never runs more than is
-    predicted to fit."""
+    """`measure(m)` -> the Pass of a worst-case micro-batch of m sequences. Candidates are
+    the divisors of `effective_batch`, measured in increasing order, so a device never runs more than is predicted
+    to fit. Micro-batch 2 is measured only if it fits even at twice the first pass's own growth (its peak +
+    growth: a bound, as a pass's fixed part is counted twice); else the split is 1 sequence at a time."""
     candidates = [m for m in range(1, effective_batch + 1) if effective_batch % m == 0]
-    measured = {1: measure(1)}
+    first = measure(1)
+    measured = {1: first.peak_mb}
     if measured[1] > budget_mb:
         raise MemoryBudgetError(
             f"even micro-batch 1 needs {measured[1]:,.0f} MiB, over the {budget_mb:,.0f} MiB budget. Raise "
             f"--memory-budget, use --memory low (weights stay file-backed), or build the bundle with a shorter "
             f"--seq-len.")
-    if effective_batch > 1 and candidates[1] == 2:
-        measured[2] = measure(2)
+    bound_2 = first.peak_mb + first.growth_mb
+    bounded = bound_2 <= budget_mb
+    if effective_batch > 1 and candidates[1] == 2 and bounded:
+        measured[2] = measure(2).peak_mb
     slope = max(0.0, measured.get(2, measured[1]) - measured[1])
     predicted = {m: measured[1] + (m - 1) * slope for m in candidates}
-    fitting = [m for m in candidates if measured.get(m, predicted[m]) <= budget_mb]
+    fitting = [m for m in candidates if measured.get(m, predicted[m]) <= budget_mb and (m == 1 or bounded)]
     while True:
         chosen = fitting[-1]
         if chosen in measured:
             break
-        measured[chosen] = measure(chosen)
+        measured[chosen] = measure(chosen).peak_mb
         if measured[chosen] <= budget_mb:
             break
         fitting.pop()
     return MemoryFit(budget_mb, budget_source, effective_batch, chosen, effective_batch // chosen,
-                     measured, slope, predicted, counts)
+                     measured, slope, predicted, counts, bound_2_mb=bound_2)
 
 
 def fit_session(session, seq_len: int, effective_batch: int, budget, log=print, anonymous: bool = False) -> MemoryFit:
@@ -185,8 +210,9 @@ def fit_session(session, seq_len: int, effective_batch: int, budget, log=print, 
     if not reset_peak_rss():
         log("warning: this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs); each measurement is the "
             "peak of the whole process so far, so the split chosen may be smaller than what fits")
-    fit = choose_micro_batch(lambda m: measure_peak_mb(session, m, seq_len, anonymous), effective_batch, budget_mb,
-                             source, "anonymous RSS" if anonymous else "RSS")
+    shards = [session.bundle.file(f.path) for f in session.bundle.manifest.files_with_role("shard")]
+    fit = choose_micro_batch(lambda m: measure_pass(session, m, seq_len, anonymous, shards), effective_batch,
+                             budget_mb, source, "anonymous RSS" if anonymous else "RSS")
     fit.start_mb = start_mb
     log(fit.summary())
     return fit

@@ -41,6 +41,27 @@ def status_mb(key: str, path: str = "/proc/self/status") -> float | None:
     return None
 
 
+def unfaulted_mb(paths, smaps: str = "/proc/self/smaps") -> float:
+    """MiB of this process's memory maps of `paths` (ORT maps a bundle's weight shards) not yet in its RSS: what
+    it will add once every page has been read. 0 where /proc/self/smaps is unreadable or nothing is mapped."""
+    wanted = {os.path.realpath(p) for p in paths}
+    size_kb = rss_kb = 0
+    mapped = False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                key, _, rest = line.partition(" ")
+                if not key.endswith(":"):                      # a mapping's header: range perms offset dev inode path
+                    fields = rest.split(maxsplit=4)
+                    mapped = len(fields) == 5 and fields[4].strip() in wanted
+                elif mapped and key in ("Size:", "Rss:"):
+                    kb = int(rest.split()[0])
+                    size_kb, rss_kb = (size_kb + kb, rss_kb) if key == "Size:" else (size_kb, rss_kb + kb)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (size_kb - rss_kb) / 1024
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a
     runner started by a bigger process (a test, a notebook) would report its parent's peak."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from android_runner.loop import RunConfig, RunError, train
-from android_runner.memory_fit import MemoryBudgetError, choose_micro_batch, parse_budget, worst_case_batch
+from android_runner.memory_fit import MemoryBudgetError, Pass, choose_micro_batch, parse_budget, worst_case_batch
 from android_runner.metrics import peak_rss_mb, reset_peak_rss
 from ort_trainer import checkpoint
 from ort_trainer.bundle import open_bundle
@@ -16,14 +16,16 @@ from tests.bundle_helpers import build_tiny_bundle
 
 
 class Device:
-    """A fake device: peak MiB of a micro-batch of m sequences; records what it was asked to run."""
+    """A fake device: peak MiB of a micro-batch of m sequences, and the anonymous memory the pass itself added
+    (by default its sequences' part alone: peak(2) - peak(1) a sequence); records what it was asked to run."""
 
-    def __init__(self, peak):
+    def __init__(self, peak, growth=None):
         self.peak, self.ran = peak, []
+        self.growth = growth if growth is not None else peak(2) - peak(1)
 
     def __call__(self, m):
         self.ran.append(m)
-        return self.peak(m)
+        return Pass(self.peak(m), self.growth * m)
 
 
 def test_largest_fitting_split_is_chosen_and_nothing_larger_is_run():
@@ -42,6 +44,17 @@ def test_a_split_measured_over_budget_steps_down():
     fit = choose_micro_batch(dev, 8, budget_mb=1450)
     assert fit.micro_batch == 2 and dev.ran == [1, 2, 4]
     assert fit.measured_mb[4] == 1700
+
+
+def test_two_sequences_are_not_run_when_they_could_exceed_the_budget():
+    """A pass of 2 sequences is run only if it fits even at the first pass's peak plus all its growth (a bound:
+    with the fixed part counted twice); else the device trains 1 sequence at a time and never goes over."""
+    dev = Device(lambda m: 1000 + 100 * m, growth=300)       # 100 a sequence + 200 the pass's fixed part
+    fit = choose_micro_batch(dev, 8, budget_mb=1350)
+    assert dev.ran == [1] and (fit.micro_batch, fit.accum) == (1, 8)
+    assert fit.bound_2_mb == 1400 and "2 not run: it could take up to 1,400" in fit.summary()
+    dev = Device(lambda m: 1000 + 100 * m, growth=300)
+    assert choose_micro_batch(dev, 8, budget_mb=1400).micro_batch == 4 and dev.ran == [1, 2, 4]
 
 
 def test_a_budget_below_one_sequence_is_a_clear_error():
@@ -67,6 +80,20 @@ def test_peak_reset_measures_a_later_smaller_peak():
     small = np.ones(20 * 2**20 // 8)
     assert peak_rss_mb() < peak_with_big - 100, "the peak still holds the freed 200 MiB"
     del small
+
+
+def test_unfaulted_pages_of_a_mapped_file_are_what_was_not_read(tmp_path):
+    """A mapped 16 MiB file of which 4 MiB were read has 12 MiB still to come into RSS (as ORT maps the shards)."""
+    from android_runner.metrics import unfaulted_mb
+
+    path = tmp_path / "shard.bin"
+    path.write_bytes(bytes(16 * 2**20))
+    m = np.memmap(path, np.uint8, "r")
+    assert unfaulted_mb([path]) == pytest.approx(16, abs=0.01)
+    assert int(m[: 4 * 2**20 : 4096].sum()) == 0                     # one byte a page
+    assert unfaulted_mb([path]) == pytest.approx(12, abs=0.5)        # (the kernel may map a few pages around)
+    assert unfaulted_mb([tmp_path / "other.bin"]) == 0
+    del m
 
 
 def test_worst_case_batch_is_full_and_labelled():
@@ -118,6 +145,33 @@ def test_measuring_leaves_the_training_untouched_and_resume_keeps_the_split(tiny
     logs.clear()                                   # resume with a larger max: the first split stays
     s2 = train(_cfg(bundle, data, memory_budget="1M"), root / "fit", log=logs.append)
     assert s2["memory_fit"] is None and any("keeping the split measured at the first start, 4 x 1" in x for x in logs)
+
+
+def test_a_split_below_the_largest_pass_trains_in_a_new_session(tiny, monkeypatch):
+    """ORT's arena keeps what its largest pass needed, so a run whose fit measured 2 sequences and chose 1 trains in
+    a new session, started after the measured one is gone; it trains exactly as a run given that split."""
+    import gc
+    import weakref
+
+    import android_runner.loop as loop
+    from android_runner.memory_fit import MemoryFit
+
+    bundle, data, root = tiny
+    monkeypatch.setattr(loop, "fit_session", lambda *a, **k: MemoryFit(500, "given", 4, 1, 4, {1: 400, 2: 520}))
+    sessions = []
+
+    def on_session(session, from_checkpoint):
+        gc.collect()
+        sessions.append((weakref.ref(session), [r() is not None for r, _ in sessions]))
+
+    train(_cfg(bundle, data, memory_budget="500"), root / "refit", log=lambda *_: None, on_session=on_session)
+    assert len(sessions) == 2 and sessions[1][1] == [False], "the measured session outlived the fit"
+    train(_cfg(bundle, data), root / "plain", log=lambda *_: None)
+    step_a, a = _lora(root / "refit", bundle)
+    step_b, b = _lora(root / "plain", bundle)
+    assert step_a == step_b == 6
+    for name in b:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_a_budget_too_small_fails_before_anything_is_recorded(tiny):
@@ -182,7 +236,7 @@ def test_low_mode_measures_anonymous_memory_only(tmp_path):
     path.write_bytes(np.random.default_rng(0).bytes(128 * 2**20))
     code = f"""
 import mmap, numpy as np
-from android_runner.memory_fit import measure_peak_mb
+from android_runner.memory_fit import measure_pass
 
 class Pass:                                               # as ORT: the weights stay mapped for the session's life
     def __init__(self):
@@ -203,8 +257,8 @@ def status(key):
 
 session = Pass()
 before = status("RssAnon")
-total = measure_peak_mb(session, 1, 4)
-anon = measure_peak_mb(session, 1, 4, anonymous=True)
+total = measure_pass(session, 1, 4).peak_mb
+anon = measure_pass(session, 1, 4, anonymous=True).peak_mb
 print(before, total, anon)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
