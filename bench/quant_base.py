@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from android_runner.loop import RUN_CONFIG
+from android_runner.loop import RUN_CONFIG, SUMMARY
 from bench import runs
 from bench.common import log
 from bench.quant_base_render import MODES, render_report
@@ -69,6 +69,8 @@ def budget_run(bundle: str, data: Path, steps: int, goal_bytes: float, out: Path
     if (out / RUN_CONFIG).is_file():
         cfg = json.loads((out / RUN_CONFIG).read_text())
         rec["split"] = [cfg["micro_batch"], cfg["accum"]]
+    if (out / SUMMARY).is_file():
+        rec["memory_fit"] = json.loads((out / SUMMARY).read_text()).get("memory_fit")
     shutil.rmtree(out, ignore_errors=True)
     return {"budget_mib": budget_mib, **rec}
 
