@@ -6,6 +6,7 @@ are fixed by the first start and a different value on the command line is refuse
 """
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import sys
@@ -135,8 +136,9 @@ class StopFlag:
 
 def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None = None,
           on_session=None) -> dict:
-    """`on_session(session, from_checkpoint)`, if given, is called once the session exists (federated/: start
-    from the global LoRA unless resumed from a checkpoint, freeze LoRA A)."""
+    """`on_session(session, from_checkpoint)`, if given, is called once the session exists, and again for the new
+    session if the memory fit starts one (federated/: start from the global LoRA unless resumed from a checkpoint,
+    freeze LoRA A)."""
     run_dir = Path(run_dir)
     cfg.validate()
     if run_dir.exists() and not run_dir.is_dir():
@@ -173,10 +175,11 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
         except MemoryBudgetError as e:
             raise RunError(str(e)) from None
         cfg.micro_batch, cfg.accum = fit.micro_batch, fit.accum
-        if fit.micro_batch < max(fit.measured_mb):
-            # ORT's arena keeps what the largest pass needed: GPT-2 int4 measured at 1 and 2 then trained at 1
-            # peaked as at 2 (513 MiB). A new session starts from an empty arena.
+        if fit.needs_new_session:           # ORT's arena keeps what the largest measured pass needed
+            log(f"starting a new session for micro-batch {fit.micro_batch}: the measured one holds "
+                f"{max(fit.measured_mb)} sequences' memory")
             del session
+            gc.collect()                     # a session in a reference cycle (federated's freeze) goes now too
             trim_heap()
             session = start_session()
     elif cfg.memory_budget is not None:

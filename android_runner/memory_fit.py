@@ -8,9 +8,9 @@ each), so two measured forward/backward passes predict the rest:
 
 1. run a worst-case micro-batch of 1 sequence (every position a real, labelled token, at the bundle's
    seq-len) from a reset peak (VmHWM); then one of 2 sequences, but only if even the first pass's peak plus
-   all it added fits the budget (else the device trains 1 sequence at a time: the probe itself never goes over);
-   gradients are dropped after each, so the model is untouched. A peak counts the weight shards' pages the
-   pass did not read (training reads every embedding row; the pass, token 0's);
+   all it added fits the budget (so that pass never goes over; else every further sequence is counted at
+   that bound); gradients are dropped after each, so the model is untouched. A peak counts the weight shards'
+   pages the pass did not read (an untied embedding's rows: the pass reads token 0's, training all of them);
 2. peak(m) = peak(1) + (m - 1) * (peak(2) - peak(1)); pick the largest m that divides the effective
    batch and whose prediction fits the budget;
 3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget;
@@ -121,9 +121,9 @@ class Pass:
 def measure_pass(session, micro: int, seq_len: int, anonymous: bool = False, mapped=()) -> Pass:
     """One forward/backward pass at `micro` worst-case sequences from a reset peak; the gradients are dropped.
     Its peak is the process's peak RSS plus the pages of the `mapped` files (the weight shards) it did not read:
-    the pass reads the embedding's row of token 0 only, and training reads them all (without them, GPT-2 int4 at
-    2 x 4 was measured at 456 MiB and trained at 510, 39 of them shard pages). `anonymous` (--memory low): the peak
-    RSS minus the file-backed pages instead."""
+    an untied embedding's rows, of which the pass reads token 0's and training all (a tied one is read whole by the
+    head's vocabulary views every pass). `anonymous` (--memory low): the peak RSS minus the file-backed pages
+    instead."""
     anon_before = status_mb("RssAnon") or 0.0
     reset_peak_rss()
     session.forward_backward(worst_case_batch(micro, seq_len), 1.0 / (micro * seq_len))
@@ -147,12 +147,17 @@ class MemoryFit:
     start_mb: float = 0.0                               # the process's peak before the fit: the sessions' start
     bound_2_mb: float = 0.0                             # micro-batch 2 at most (1's peak + 1's growth): run if in budget
 
+    @property
+    def needs_new_session(self) -> bool:
+        """The split is below the largest measured pass, whose memory ORT's arena keeps: train in a new session
+        (GPT-2 int4 measured at 1 and 2 and trained at 1 in the same session peaked as at 2)."""
+        return self.micro_batch < max(self.measured_mb)
+
     def summary(self) -> str:
         meas = ", ".join(f"{m}: {v:,.0f}" for m, v in sorted(self.measured_mb.items()))
-        if 2 in self.measured_mb:
-            meas += f"; +{self.per_sequence_mb:,.0f} MiB per sequence"
-        elif self.effective_batch % 2 == 0:
+        if 2 not in self.measured_mb and self.effective_batch % 2 == 0:
             meas += f" (2 not run: it could take up to {self.bound_2_mb:,.0f})"
+        meas += f"; +{self.per_sequence_mb:,.0f} MiB per sequence"
         return (f"memory budget {self.budget_mb:,.0f} MiB of {self.counts} ({self.budget_source}): measured peak MiB at micro-batch "
                 f"{meas} -> micro-batch {self.micro_batch} x accum "
                 f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB, measured "
@@ -164,10 +169,11 @@ class MemoryFit:
 
 def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_source: str = "given",
                        counts: str = "RSS") -> MemoryFit:
-    """`measure(m)` -> the Pass of a worst-case micro-batch of m sequences. Candidates are
-    the divisors of `effective_batch`, measured in increasing order, so a device never runs more than is predicted
-    to fit. Micro-batch 2 is measured only if it fits even at twice the first pass's own growth (its peak +
-    growth: a bound, as a pass's fixed part is counted twice); else the split is 1 sequence at a time."""
+    """`measure(m)` -> the Pass of a worst-case micro-batch of m sequences. Candidates are the divisors of
+    `effective_batch`, measured in increasing order, and only where predicted to fit. Micro-batch 2 is measured only
+    if it fits even at the first pass's peak plus all that pass added (a bound: the pass's fixed part counts twice),
+    so that pass never goes over; without it (or with an odd effective batch) every sequence is counted at that
+    bound."""
     candidates = [m for m in range(1, effective_batch + 1) if effective_batch % m == 0]
     first = measure(1)
     measured = {1: first.peak_mb}
@@ -177,12 +183,12 @@ def choose_micro_batch(measure, effective_batch: int, budget_mb: float, budget_s
             f"--memory-budget, use --memory low (weights stay file-backed), or build the bundle with a shorter "
             f"--seq-len.")
     bound_2 = first.peak_mb + first.growth_mb
-    bounded = bound_2 <= budget_mb
-    if effective_batch > 1 and candidates[1] == 2 and bounded:
+    if effective_batch > 1 and candidates[1] == 2 and bound_2 <= budget_mb:
         measured[2] = measure(2).peak_mb
-    slope = max(0.0, measured.get(2, measured[1]) - measured[1])
+    # per sequence: from the passes of 1 and 2; without a pass of 2, all the first pass added (an upper bound)
+    slope = max(0.0, measured[2] - measured[1]) if 2 in measured else first.growth_mb
     predicted = {m: measured[1] + (m - 1) * slope for m in candidates}
-    fitting = [m for m in candidates if measured.get(m, predicted[m]) <= budget_mb and (m == 1 or bounded)]
+    fitting = [m for m in candidates if measured.get(m, predicted[m]) <= budget_mb]
     while True:
         chosen = fitting[-1]
         if chosen in measured:

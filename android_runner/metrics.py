@@ -41,25 +41,33 @@ def status_mb(key: str, path: str = "/proc/self/status") -> float | None:
     return None
 
 
-def unfaulted_mb(paths, smaps: str = "/proc/self/smaps") -> float:
-    """MiB of this process's memory maps of `paths` (ORT maps a bundle's weight shards) not yet in its RSS: what
-    it will add once every page has been read. 0 where /proc/self/smaps is unreadable or nothing is mapped."""
+def file_mappings(paths, smaps: str = "/proc/self/smaps") -> list[tuple[str, int, int, int]]:
+    """This process's memory maps of `paths` (ORT maps each external initializer of a bundle's shards on its own):
+    (path, file offset, size, resident) in bytes each. [] where /proc/self/smaps is unreadable."""
     wanted = {os.path.realpath(p) for p in paths}
-    size_kb = rss_kb = 0
-    mapped = False
+    found, current = [], None
     try:
         with open(smaps) as f:
             for line in f:
                 key, _, rest = line.partition(" ")
-                if not key.endswith(":"):                      # a mapping's header: range perms offset dev inode path
+                if not key.endswith(":"):           # a mapping's header: range perms offset dev inode [path]
                     fields = rest.split(maxsplit=4)
-                    mapped = len(fields) == 5 and fields[4].strip() in wanted
-                elif mapped and key in ("Size:", "Rss:"):
-                    kb = int(rest.split()[0])
-                    size_kb, rss_kb = (size_kb + kb, rss_kb) if key == "Size:" else (size_kb, rss_kb + kb)
+                    path = fields[4].strip().removesuffix(" (deleted)") if len(fields) == 5 else ""
+                    lo, hi = (int(x, 16) for x in key.split("-"))
+                    current = [path, int(fields[1], 16), hi - lo, 0] if path in wanted else None
+                    if current:
+                        found.append(current)
+                elif current and key == "Rss:":
+                    current[3] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0.0
-    return (size_kb - rss_kb) / 1024
+        return []
+    return [tuple(m) for m in found]
+
+
+def unfaulted_mb(paths) -> float:
+    """MiB of this process's maps of `paths` not yet in its RSS: what they add once every page has been read (pages
+    the kernel dropped after a peak count again here: an over-estimate, never an under-estimate)."""
+    return sum(size - rss for _, _, size, rss in file_mappings(paths)) / 2**20
 
 
 def peak_rss_mb() -> float:

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .export import ExportError
-from .quantize import ZERO, gate_nodes, gather_dequantized, lookups
+from .quantize import ZERO, gate_nodes, gather_dequantized, lookups, reads_as_table
 from .recompute import drop_dead
 
 STOP_SCALE = 2.0 ** 40
@@ -165,12 +165,13 @@ def chunk_head_loss(model: onnx.ModelProto, chunks: int, min_rows: int, softcap:
     for i, node in enumerate(nodes):
         node.name = f"{p}{node.op_type}_{i}"      # named, so that a profile tells the head's kernels apart
     g.node.extend(nodes)
-    if quant and len(w_slices) > 1:
-        _route_lookups(g, w, w_slices)
+    if len(w_slices) > 1:      # the tied embedding lookup reads the views too
+        _route(g, lookups(g, w) if quant else [([j], node.input[1], node.output[0]) for j, node in enumerate(g.node)
+                                               if reads_as_table(node, w)], w_slices)
     if quant:
         drop_dead(g)              # the whole head's DequantizeLinear, read by nothing now (and the whole table)
-    elif len(w_slices) > 1:
-        _route_gathers(g, w, w_slices)
+    elif not any(w in node.input for node in g.node):
+        g.initializer.remove(next(i for i in g.initializer if i.name == w))
 
 
 def _dequantized_rows(g: onnx.GraphProto, w: str) -> tuple[str, str, int] | None:
@@ -238,7 +239,7 @@ def _row_view(init: TensorProto, a: int, b: int, name: str) -> TensorProto:
     return view
 
 
-def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple[str, int, int]], idx: str, out: str
+def _gather_rows(g: onnx.GraphProto, prefix: str, slices: list[tuple], idx: str, out: str
                  ) -> list[onnx.NodeProto]:
     """out = W[idx] (rows of a [V, H] weight) from its vocabulary views: each view gathers the indices that
     fall in it (others read its row 0 and are zeroed), and the parts are summed. Reading the views
@@ -268,28 +269,11 @@ def _gather(table: str, scale: str | None, idx: str, out: str, p: str, block: in
     return gather_dequantized(table, scale, idx, out, p, PREFIX + "axis_last", block)
 
 
-def _route_gathers(g: onnx.GraphProto, w: str, slices: list[tuple[str, int, int]]) -> None:
-    """Every Gather(W, ids) of the graph (the tied embedding lookup) reads the views instead; W itself is
-    dropped from the graph if nothing else reads it."""
-    routed, new_nodes = 0, []
-    for node in g.node:
-        if node.op_type == "Gather" and node.input[0] == w and all(
-                a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute):
-            new_nodes += _gather_rows(g, f"{PREFIX}lookup{routed}/", slices, node.input[1], node.output[0])
-            routed += 1
-        else:
-            new_nodes.append(node)
-    del g.node[:]
-    g.node.extend(new_nodes)
-    if not any(w in node.input for node in g.node):
-        g.initializer.remove(next(i for i in g.initializer if i.name == w))
-
-
-def _route_lookups(g: onnx.GraphProto, codes: str, slices: list[tuple[str, int, int]]) -> None:
-    """_route_gathers for a quantized table: every row lookup of the codes (quantize.gather_dequantized: the codes
-    and scales gathered, then dequantized) reads the views instead. Without it, the tied embedding lookup mapped
-    the whole table once more: Qwen2.5-0.5B int4 trained with its 130 MiB table in RSS twice."""
-    found = lookups(g, codes)
+def _route(g: onnx.GraphProto, found: list[tuple[list[int], str, str]], slices: list[tuple]) -> None:
+    """Every lookup in `found` ((its nodes' indices, the ids, the rows out): the tied embedding's) reads the
+    vocabulary views instead of the whole table: so the table's pages are mapped once, not once by the views and
+    again by the lookup (RSS counts a page once per mapping: Qwen2.5-0.5B int4 had its 130 MiB int8 table in RSS
+    twice). The whole table is then read by nothing; the caller drops it."""
     replace = {min(members): _gather_rows(g, f"{PREFIX}lookup{r}/", slices, ids, out)
                for r, (members, ids, out) in enumerate(found)}
     drop = {i for members, _, _ in found for i in members}
@@ -302,7 +286,7 @@ def _route_lookups(g: onnx.GraphProto, codes: str, slices: list[tuple[str, int, 
     g.node.extend(nodes)
 
 
-def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: list[tuple[str, int, int]],
+def _chunk_nodes(g: onnx.GraphProto, c: str, start: str, end: str, w_slices: list[tuple],
                  w_is_vh: bool, scale: str, softcap: float | None, opset: int) -> list[onnx.NodeProto]:
     """Rows [start, end) of the padded h / labels -> c+"nll" (summed NLL) and c+"g" (their dLoss/dh).
 

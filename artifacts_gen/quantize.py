@@ -485,12 +485,12 @@ def _vocab_weights(g: onnx.GraphProto, keep: set[str]) -> list[str]:
         if (name in keep or init.data_type != TensorProto.FLOAT or len(init.dims) != 2 or not read_by.get(name)
                 or int(np.prod(init.dims)) < MIN_ELEMENTS):
             continue
-        if all(_reads_as_table(g.node[j], name) or _reads_as_head(g.node[j], name) for j in read_by[name]):
+        if all(reads_as_table(g.node[j], name) or _reads_as_head(g.node[j], name) for j in read_by[name]):
             out.append(name)
     return out
 
 
-def _reads_as_table(n: onnx.NodeProto, name: str) -> bool:
+def reads_as_table(n: onnx.NodeProto, name: str) -> bool:
     return (n.op_type == "Gather" and n.input[0] == name and name not in n.input[1:]
             and all(a.name != "axis" or a.i == 0 for a in n.attribute))
 
@@ -500,19 +500,23 @@ def _reads_as_head(n: onnx.NodeProto, name: str) -> bool:
             and any(a.name == "transB" and a.i for a in n.attribute))
 
 
+LOOKUP_PARTS = ("q", "s", "f", "s1", "w")      # gather_dequantized's node names after its prefix (read by lookups)
+
+
 def gather_dequantized(codes: str, scale: str, idx: str, out: str, p: str, axis_last: str, block: int = 0
                        ) -> list[onnx.NodeProto]:
     """out = rows idx of an int8 table, dequantized: Gather the codes and the scales, then multiply (one scale
     per row) or a DequantizeLinear along the row (`block` columns per scale: the gathered scales have the codes'
     rank, as blocked DequantizeLinear needs)."""
     n = helper.make_node
-    nodes = [n("Gather", [codes, idx], [p + "q"], name=p + "q", axis=0),
-             n("Gather", [scale, idx], [p + "s"], name=p + "s", axis=0)]
+    q, s, f, s1, w = (p + part for part in LOOKUP_PARTS)
+    nodes = [n("Gather", [codes, idx], [q], name=q, axis=0),
+             n("Gather", [scale, idx], [s], name=s, axis=0)]
     if block:
-        return nodes + [n("DequantizeLinear", [p + "q", p + "s"], [out], name=p + "w", axis=-1, block_size=block)]
-    return nodes + [n("Cast", [p + "q"], [p + "f"], name=p + "f", to=TensorProto.FLOAT),
-                    n("Unsqueeze", [p + "s", axis_last], [p + "s1"], name=p + "s1"),
-                    n("Mul", [p + "f", p + "s1"], [out], name=p + "w")]
+        return nodes + [n("DequantizeLinear", [q, s], [out], name=w, axis=-1, block_size=block)]
+    return nodes + [n("Cast", [q], [f], name=f, to=TensorProto.FLOAT),
+                    n("Unsqueeze", [s, axis_last], [s1], name=s1),
+                    n("Mul", [f, s1], [out], name=w)]
 
 
 def lookups(g: onnx.GraphProto, codes: str) -> list[tuple[list[int], str, str]]:
@@ -521,10 +525,10 @@ def lookups(g: onnx.GraphProto, codes: str) -> list[tuple[list[int], str, str]]:
     at = {n.name: i for i, n in enumerate(g.node) if n.name}
     found = []
     for n in g.node:
-        if n.op_type == "Gather" and n.input[0] == codes and n.name.endswith("q") and n.output[0] == n.name:
-            p = n.name[:-1]
-            members = [at[p + part] for part in ("q", "s", "f", "s1", "w") if p + part in at]
-            found.append((members, n.input[1], g.node[at[p + "w"]].output[0]))
+        if reads_as_table(n, codes) and n.name.endswith(LOOKUP_PARTS[0]) and n.output[0] == n.name:
+            p = n.name[:-len(LOOKUP_PARTS[0])]
+            members = [at[p + part] for part in LOOKUP_PARTS if p + part in at]
+            found.append((members, n.input[1], g.node[at[p + LOOKUP_PARTS[-1]]].output[0]))
     return found
 
 

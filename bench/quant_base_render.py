@@ -52,15 +52,16 @@ def render_report(p: dict, run: str) -> str:
                 f"{'' if m == 'none' or ratio is None else ('met' if ratio >= p['target_ratio'] else 'MISSED')} |")
     budget = {n: e["budget"] for n, e in p["shapes"].items() if "budget" in e}
     if budget:
-        bounded = any("memory_fit" in r for r in budget.values())     # runs since 2026-12-07: the bounded probe
+        new_probe = any(r.get("memory_fit") for r in budget.values())     # runs since 2026-12-07
         lines += ["", "## int4 under --memory-budget at the peak-RSS goal", "",
                   "The int4 bundle trained once more at effective batch 8 with `--memory-budget` set to the goal: the "
                   + ("runner measures a micro-batch of 1 (and of 2 only if bounded under the budget) and keeps the "
-                     "largest split predicted to fit. The ratio is to none at the fixed split above." if bounded else
+                     "largest split predicted to fit. Probe: the peaks it measured at 1 / 2 sequences (MiB). The ratio "
+                     "is to none at the fixed split above." if new_probe else
                      "runner measures micro-batches of 1 and 2 and keeps the largest split predicted to fit."), "",
                   "| shape | budget MiB | split chosen | peak RSS GB | goal | tok/s | "
-                  + ("vs none (fixed split) |" if bounded else "vs none at its split |"),
-                  "|---|---:|---|---:|---|---:|---:|"]
+                  + ("vs none (fixed split) | probe |" if new_probe else "vs none at its split |"),
+                  "|---|---:|---|---:|---|---:|---:|" + ("---|" if new_probe else "")]
         for name, r in budget.items():
             goal = (p["shapes"][name].get("goals") or [None, None])[1]
             base = p["shapes"][name]["modes"]["none"]["tok_s_median"]
@@ -70,9 +71,13 @@ def render_report(p: dict, run: str) -> str:
                 continue
             split = "x".join(map(str, r["split"])) if r.get("split") else "?"
             ratio = "—" if not base else f"{r['tok_s'] / base:.2f}x"
+            probe = ""
+            if new_probe:
+                meas = (r.get("memory_fit") or {}).get("measured_mb", {})
+                probe = " / ".join(f"{meas[k]:,.0f}" if k in meas else "not run" for k in ("1", "2")) + " |"
             lines.append(f"| {name} | {r['budget_mib']:,} | {split} | {_gb(r['peak_rss'])} | "
                          f"<= {goal / 1e9:.2f}: {_verdict(r['peak_rss'], goal)} | {r['tok_s']:.1f} | "
-                         f"{ratio} |")
+                         f"{ratio} |{probe}")
     if "lowmem" in p:
         r = p["lowmem"]
         what = (f"FAILED (exit {r.get('exit')}): {(r['error'].splitlines() or ['?'])[-1][:200]}" if "error" in r else

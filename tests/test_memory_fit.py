@@ -55,6 +55,10 @@ def test_two_sequences_are_not_run_when_they_could_exceed_the_budget():
     assert fit.bound_2_mb == 1400 and "2 not run: it could take up to 1,400" in fit.summary()
     dev = Device(lambda m: 1000 + 100 * m, growth=300)
     assert choose_micro_batch(dev, 8, budget_mb=1400).micro_batch == 4 and dev.ran == [1, 2, 4]
+    dev = Device(lambda m: 1000 + 100 * m, growth=300)         # odd: no 2 to measure, so 3 is counted at the bound
+    assert choose_micro_batch(dev, 3, budget_mb=1650).micro_batch == 1 and dev.ran == [1]
+    dev = Device(lambda m: 1000 + 100 * m, growth=300)
+    assert choose_micro_batch(dev, 3, budget_mb=1700).micro_batch == 3 and dev.ran == [1, 3]
 
 
 def test_a_budget_below_one_sequence_is_a_clear_error():
@@ -84,7 +88,7 @@ def test_peak_reset_measures_a_later_smaller_peak():
 
 def test_unfaulted_pages_of_a_mapped_file_are_what_was_not_read(tmp_path):
     """A mapped 16 MiB file of which 4 MiB were read has 12 MiB still to come into RSS (as ORT maps the shards)."""
-    from android_runner.metrics import unfaulted_mb
+    from android_runner.metrics import file_mappings, unfaulted_mb
 
     path = tmp_path / "shard.bin"
     path.write_bytes(bytes(16 * 2**20))
@@ -93,6 +97,8 @@ def test_unfaulted_pages_of_a_mapped_file_are_what_was_not_read(tmp_path):
     assert int(m[: 4 * 2**20 : 4096].sum()) == 0                     # one byte a page
     assert unfaulted_mb([path]) == pytest.approx(12, abs=0.5)        # (the kernel may map a few pages around)
     assert unfaulted_mb([tmp_path / "other.bin"]) == 0
+    (mapping,) = file_mappings([path])
+    assert mapping[1:3] == (0, 16 * 2**20)                         # (file offset, size)
     del m
 
 
@@ -150,18 +156,19 @@ def test_measuring_leaves_the_training_untouched_and_resume_keeps_the_split(tiny
 def test_a_split_below_the_largest_pass_trains_in_a_new_session(tiny, monkeypatch):
     """ORT's arena keeps what its largest pass needed, so a run whose fit measured 2 sequences and chose 1 trains in
     a new session, started after the measured one is gone; it trains exactly as a run given that split."""
-    import gc
     import weakref
 
     import android_runner.loop as loop
     from android_runner.memory_fit import MemoryFit
+    from android_runner.metrics import file_mappings
 
     bundle, data, root = tiny
     monkeypatch.setattr(loop, "fit_session", lambda *a, **k: MemoryFit(500, "given", 4, 1, 4, {1: 400, 2: 520}))
     sessions = []
 
     def on_session(session, from_checkpoint):
-        gc.collect()
+        shards = [session.bundle.file(f.path) for f in session.bundle.manifest.files_with_role("shard")]
+        assert file_mappings(shards), "the probe would not see the shards ORT mapped"
         sessions.append((weakref.ref(session), [r() is not None for r, _ in sessions]))
 
     train(_cfg(bundle, data, memory_budget="500"), root / "refit", log=lambda *_: None, on_session=on_session)
@@ -238,7 +245,7 @@ def test_low_mode_measures_anonymous_memory_only(tmp_path):
 import mmap, numpy as np
 from android_runner.memory_fit import measure_pass
 
-class Pass:                                               # as ORT: the weights stay mapped for the session's life
+class FakeSession:                                        # as ORT: the weights stay mapped for the session's life
     def __init__(self):
         with open({str(path)!r}, "rb") as f:
             self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -255,7 +262,7 @@ class Pass:                                               # as ORT: the weights 
 def status(key):
     return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 
-session = Pass()
+session = FakeSession()
 before = status("RssAnon")
 total = measure_pass(session, 1, 4).peak_mb
 anon = measure_pass(session, 1, 4, anonymous=True).peak_mb

@@ -211,20 +211,15 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
 
 MAPPED_TWICE = """
 import json, sys
-import numpy as np
 from ort_trainer.bundle import open_bundle
 from ort_trainer.session import TrainSession
 from tests.bundle_helpers import sample_batch
 bundle = open_bundle(sys.argv[1], verify="none")
 sess = TrainSession(bundle)
 sess.forward_backward(sample_batch(bundle.manifest.model.vocab_size, 2, 33, seed=0), 1.0)
-maps = []
-for line in open("/proc/self/smaps"):
-    f = line.split()
-    if not f[0].endswith(":") and len(f) > 5 and "/weights-" in f[5]:
-        lo, hi = (int(x, 16) for x in f[0].split("-"))
-        maps.append((f[5], int(f[2], 16), int(f[2], 16) + hi - lo))
-print(json.dumps(maps))
+from android_runner.metrics import file_mappings
+shards = [bundle.file(f.path) for f in bundle.manifest.files_with_role("shard")]
+print(json.dumps([(path, offset, offset + size) for path, offset, size, _ in file_mappings(shards)]))
 """
 
 
@@ -234,6 +229,7 @@ def test_no_shard_bytes_are_mapped_twice(built):
     (Qwen2.5-0.5B int4 had its 130 MiB table in RSS twice). After a pass over ids across the vocabulary, no run of
     a shard's bytes longer than two pages (neighbours sharing a page) is mapped twice in the process."""
     import json
+    import mmap
     from pathlib import Path
 
     family, mode, ckpt, bundle = built
@@ -249,7 +245,7 @@ def test_no_shard_bytes_are_mapped_twice(built):
                 longest = max(longest, x - start)
             depth += d
             start = x
-        assert longest <= 2 * 4096, f"{Path(path).name}: {longest:,} bytes mapped twice"
+        assert longest <= 2 * mmap.PAGESIZE, f"{Path(path).name}: {longest:,} bytes mapped twice"
 
 
 def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> None:

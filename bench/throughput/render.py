@@ -53,7 +53,8 @@ def _fit_table(p: dict) -> list[str]:
         m = f["micro_batch"]
         peaks = " / ".join(mib(w["configs"][best_key(w)]["peak_rss"]) if w["configs"][best_key(w)].get("ok") else "-"
                            for w in (wls.get("sft"), wls.get("lm")) if w)
-        lines.append(f"| {shape} | {f['budget_mb']:,.0f} | {meas['1']:,.0f} / {meas.get('2', float('nan')):,.0f} | "
+        two = f"{meas['2']:,.0f}" if "2" in meas else "not run"
+        lines.append(f"| {shape} | {f['budget_mb']:,.0f} | {meas['1']:,.0f} / {two} | "
                      f"+{f['per_sequence_mb']:,.0f} | {pred.get('4', float('nan')):,.0f} / "
                      f"{pred.get('8', float('nan')):,.0f} | {m}x{f['accum']} | "
                      + (f"{meas[str(m)]:,.0f}" if m > 2 else "(= measured)") + f" | {peaks} | {f['seconds']:.0f} s |")
