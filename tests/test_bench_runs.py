@@ -46,7 +46,7 @@ def _rendered(raw: Path) -> str:
         return render_report(p.pop("results"), p, raw.stem)
     module = {"quant-quality": "bench.quant_quality_render", "quant-base": "bench.quant_base_render",
               "web-vs-native": "bench.web_vs_native_render", "decode": "bench.decode_render",
-              "federated": "bench.federated_render"}.get(what,
+              "federated": "bench.federated_render", "dequant-kernels": "bench.dequant_kernels_render"}.get(what,
                                                                                                   "bench.label_positions")
     return importlib.import_module(module).render_report(p, raw.stem)
 
