@@ -74,7 +74,7 @@ def render_report(p: dict, run: str) -> str:
             probe = ""
             if new_probe:
                 meas = (r.get("memory_fit") or {}).get("measured_mb", {})
-                probe = " / ".join(f"{meas[k]:,.0f}" if k in meas else "not run" for k in ("1", "2")) + " |"
+                probe = " " + " / ".join(f"{meas[k]:,.0f}" if k in meas else "not run" for k in ("1", "2")) + " |"
             lines.append(f"| {name} | {r['budget_mib']:,} | {split} | {_gb(r['peak_rss'])} | "
                          f"<= {goal / 1e9:.2f}: {_verdict(r['peak_rss'], goal)} | {r['tok_s']:.1f} | "
                          f"{ratio} |{probe}")
