@@ -6,7 +6,6 @@ are fixed by the first start and a different value on the command line is refuse
 """
 from __future__ import annotations
 
-import gc
 import json
 import signal
 import sys
@@ -179,8 +178,7 @@ def train(cfg: RunConfig, run_dir: str | Path, log=print, progress: bool | None 
             log(f"starting a new session for micro-batch {fit.micro_batch}: the measured one holds "
                 f"{max(fit.measured_mb)} sequences' memory")
             del session
-            gc.collect()                     # a session in a reference cycle (federated's freeze) goes now too
-            trim_heap()
+            trim_heap()                      # (collects first: federated's freeze puts the session in a cycle)
             session = start_session()
     elif cfg.memory_budget is not None:
         log(f"--memory-budget: keeping the split measured at the first start, {cfg.micro_batch} x {cfg.accum}")

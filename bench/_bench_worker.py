@@ -213,12 +213,9 @@ def run_ort(spec: dict) -> dict:
         fit = fit_session(session, bundle.manifest.seq_len, effective, spec["memory_budget_mb"], log=_log,
                           anonymous=spec.get("memory") == "low")
         if fit.needs_new_session:                     # as the runner does (android_runner/loop.py)
-            import gc
-
             from ort_trainer.memory import trim_heap
 
             del session
-            gc.collect()
             trim_heap()
             session = TrainSession(bundle, options=options)
         fit = {**fit.to_dict(), "seconds": round(time.perf_counter() - t0, 2)}

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 
 
 def trim_heap() -> bool:
-    """malloc_trim(0) where the C library has it; True if it ran."""
+    """Collect unreachable Python objects (a session in a reference cycle holds its native memory until then), then
+    malloc_trim(0) where the C library has it; True if it ran."""
+    gc.collect()
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
