@@ -24,7 +24,7 @@ from ort_trainer.faults import environment_fault, native_writes
 from ort_trainer.optimizer_graph import AdamWSpec, write_adamw
 from ort_trainer.versions import tool_versions
 
-from . import decoder, graph_fixes, head_loss, quantize, recompute, slow_kernels
+from . import decoder, fast_dequant, graph_fixes, head_loss, quantize, recompute, slow_kernels
 from .export import CausalLMWithLoss, LoraSettings, export_forward, lora_tensors, make_peft_model, set_placeholders
 from .shards import MIN_EXTERNAL_BYTES, write_shards
 from .source import load_source, max_positions
@@ -247,7 +247,7 @@ def build_bundle(
         log(f"      training graph: LM head + loss in up to {head_chunks} slices of >= {head_min_rows} labelled rows, "
             f"vocabulary in slices of <= {head_vocab_cols}")
         _generate_artifacts(forward, stage, [t.onnx_name for t in train], head_chunks, head_min_rows, head_vocab_cols,
-                            float(softcap) if softcap else None, [q.onnx_name for q in quantized])
+                            float(softcap) if softcap else None, quantized)
         _check_artifacts(stage, plan.files)
         write_web_files(stage, [t.onnx_name for t in train])     # the web runner's gradient graph + initial LoRA
 
@@ -347,7 +347,8 @@ def _write_decoder(peft_model, fam, stage: Path, trace_dir: Path, sharded: onnx.
 
 
 def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: list[str], head_chunks: int,
-                        head_min_rows: int, head_vocab_cols: int, softcap: float | None, dequantized: list[str]) -> None:
+                        head_min_rows: int, head_vocab_cols: int, softcap: float | None,
+                        quantized: list[mf.QuantizedWeight]) -> None:
     """ORT builds the training and optimizer models from the forward with its head in row and vocabulary
     slices (head_loss.chunk_head_loss; only the loss is a training output). The eval model is the plain
     forward, which also outputs the logits at the labelled positions.
@@ -382,8 +383,10 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     training = onnx.load(str(train_path), load_external_data=False)
     changed = any(slow_kernels.replace_slow_kernels(training).values())
     changed |= recompute.recompute_activations(training) > 0      # after them: it reads their backward nodes
-    changed |= quantize.recompute_dequantized(training, dequantized) > 0
-    changed |= quantize.fuse_transposes(training) > 0             # last: the recomputed copies' Transposes too
+    changed |= quantize.recompute_dequantized(training, [q.onnx_name for q in quantized]) > 0
+    changed |= quantize.fuse_transposes(training) > 0             # the recomputed copies' Transposes too
+    linear_codes = {q.codes for q in quantized if not quantize.is_vocab(q)}
+    changed |= fast_dequant.rewrite(training, linear_codes, str(stage)) > 0    # last: every copy's dequantization
     if changed:
         onnx.save(training, str(train_path))
     write_adamw(stage / mf.OPTIMIZER_MODEL, AdamWSpec())
@@ -391,6 +394,7 @@ def _generate_artifacts(forward: onnx.ModelProto, stage: Path, requires_grad: li
     tgu._move_initializers_to_inputs(eval_model, set(requires_grad))
     tgu._disable_training_mode(eval_model)
     quantize.fuse_transposes(eval_model)
+    fast_dequant.rewrite(eval_model, linear_codes, str(stage))
     onnx.save(eval_model, str(stage / mf.EVAL_MODEL))
 
 

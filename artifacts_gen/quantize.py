@@ -195,6 +195,22 @@ def int4_tensor(codes: np.ndarray, name: str, unsigned: bool = False) -> TensorP
     return t
 
 
+def is_vocab(w: mf.QuantizedWeight) -> bool:
+    """A quantized lookup table / LM head [V, H] (token or position embedding): one scale per row (axis 0), or a
+    GGUF's blocks along H (axis 1). A linear layer's codes: 4-bit [out, in] (codes_transposed), or 8-bit [in, out]
+    with one scale per column (axis 1) or blocks along in (axis 0)."""
+    return not w.codes_transposed and (w.axis == 0) == (w.block == 0)
+
+
+def codes_array(t: TensorProto, w: mf.QuantizedWeight, base_dir: str = ".") -> np.ndarray:
+    """A weight's codes as integers: `t` its codes initializer, uint4 codes in either form a bundle holds them
+    (INT4 / UINT4 [N, K], or the training and eval graphs' uint8 view of the same bytes [N, K / 2]: fast_dequant)."""
+    codes = read_tensor(t, base_dir)
+    if w.dtype == "uint4" and t.data_type == TensorProto.UINT8:
+        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int8)
+    return codes
+
+
 def read_tensor(t: TensorProto, base_dir: str = ".") -> np.ndarray:
     """An initializer's values (its external data read from base_dir); INT4 codes unpacked into int8."""
     if t.data_location == TensorProto.EXTERNAL:
@@ -765,7 +781,7 @@ def dequantized_weights(bundle_dir, quant: mf.QuantSpec) -> dict[str, np.ndarray
     inits = {i.name: i for i in graph.initializer}
     out = {}
     for q in quant.weights:
-        w = dequantize_array(read_tensor(inits[q.codes], str(bundle_dir)), read_tensor(inits[q.scale], str(bundle_dir)),
+        w = dequantize_array(codes_array(inits[q.codes], q, str(bundle_dir)), read_tensor(inits[q.scale], str(bundle_dir)),
                              q.block, q.axis, read_tensor(inits[q.offset], str(bundle_dir)) if q.offset else None)
         if q.codes_transposed:
             w = w.T                                   # -> the onnx tensor

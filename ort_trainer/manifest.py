@@ -105,9 +105,10 @@ class QuantizedWeight:
     source_key: str          # the source model's parameter (HF key)
     transposed: bool         # onnx tensor == source parameter transposed (nn.Linear's W.T)
     shape: list[int]         # of the onnx tensor
-    codes: str               # initializer of the integer codes (in the shards)
+    codes: str               # initializer of the integer codes (in the shards); uint4 codes [N, K] are read by the
+                             # training and eval graphs as uint8 [N, K / 2], the same bytes (since 12-07)
     scale: str               # initializer of the scales
-    dtype: str               # "int8" | "int4"
+    dtype: str               # "int8" | "uint4"
     axis: int                # the axis a scale runs along: 1 per column, 0 per block of rows
     block: int               # entries per scale block along `axis` (0: one scale per column, or per row if axis 0)
     offset: str = ""         # initializer added per block after scaling (a GGUF Q4_K's -dmin * m), or none

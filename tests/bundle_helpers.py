@@ -8,6 +8,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from artifacts_gen.quantize import is_vocab  # noqa: F401  (the tests' import of it)
 from ort_trainer import manifest as mf
 from ort_trainer.manifest import Manifest
 
@@ -113,11 +114,25 @@ def head_weight_views(bundle) -> tuple[str, list[str]]:
     return whole.name, [v.name for v in views]
 
 
-def is_vocab(w) -> bool:
-    """A quantized lookup table / LM head [V, H] (token or position embedding): one scale per row (axis 0), or a
-    GGUF's blocks along H (axis 1). A linear layer's codes: 4-bit [out, in] (codes_transposed), or 8-bit [in, out]
-    with one scale per column (axis 1) or blocks along in (axis 0)."""
-    return not w.codes_transposed and (w.axis == 0) == (w.block == 0)
+def dequantizations(g: onnx.GraphProto) -> list[tuple[int, onnx.NodeProto, str]]:
+    """(index, node, codes) of each weight's dequantization in a training or eval graph: a DequantizeLinear (of
+    codes, or of their gathered or sliced rows), or artifacts_gen/fast_dequant's rewrite of one (its last node,
+    ".../w", which reads the codes through the gate ".../gate/x")."""
+    from artifacts_gen import fast_dequant
+
+    by_name = {n.name: n for n in g.node}
+    out = []
+    for i, n in enumerate(g.node):
+        if n.op_type == "DequantizeLinear" and not n.name.startswith(fast_dequant.PREFIX):
+            out.append((i, n, n.input[0]))
+        elif n.name.startswith(fast_dequant.PREFIX) and n.name.endswith("/w"):
+            out.append((i, n, by_name[n.name[:-1] + "gate/x"].input[0]))
+    return out
+
+
+def weight_reads(g: onnx.GraphProto) -> list[tuple[int, onnx.NodeProto, str]]:
+    """dequantizations, and the MatMulNBits nodes that multiply by codes without dequantizing them."""
+    return dequantizations(g) + [(i, n, n.input[1]) for i, n in enumerate(g.node) if n.op_type == "MatMulNBits"]
 
 
 def eval_initializers(bundle) -> dict[str, onnx.TensorProto]:
@@ -130,7 +145,11 @@ def dequantized_here(bundle) -> dict[str, np.ndarray]:
     inits = eval_initializers(bundle)
     out = {}
     for q in bundle.manifest.quant.weights:
-        codes = numpy_helper.to_array(inits[q.codes]).astype(np.float32)
+        t = inits[q.codes]
+        codes = numpy_helper.to_array(t).astype(np.float32)
+        if t.data_type == onnx.TensorProto.UINT8 and q.dtype == "uint4":    # the graphs' byte view of 4-bit codes
+            b = numpy_helper.to_array(t)                     # [N, K / block, block / 2] (artifacts_gen/fast_dequant.py)
+            codes = np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(np.float32)
         scale = numpy_helper.to_array(inits[q.scale])
         groups = scale
         if q.block:

@@ -14,7 +14,8 @@ from artifacts_gen import quantize
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
 from tests.bundle_helpers import (
-    build_tiny_bundle, dequantized_here, eval_initializers, is_vocab, peft_reference, with_dequantized_base,
+    build_tiny_bundle, dequantizations, dequantized_here, eval_initializers, is_vocab, peft_reference,
+    weight_reads, with_dequantized_base,
 )
 from tests.test_artifacts_gen import (
     assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps,
@@ -49,7 +50,12 @@ def test_every_frozen_linear_weight_is_quantized_and_close_to_the_source(built):
         assert w.onnx_name not in inits                       # no float32 copy of it is stored
         vocab = is_vocab(w)                  # embedding / LM head: int8 per row in both modes
         assert w.dtype == ("int8" if vocab or mode == "int8" else "uint4")
-        assert inits[w.codes].data_type == (onnx.TensorProto.UINT4 if w.dtype == "uint4" else onnx.TensorProto.INT8)
+        if w.dtype == "uint4":      # the graphs read 4-bit codes [N, K] as their bytes, uint8 [N, K / block, block / 2]
+            n, k = w.shape[::-1] if w.codes_transposed else w.shape
+            assert inits[w.codes].data_type == onnx.TensorProto.UINT8
+            assert list(inits[w.codes].dims) == [n, k // w.block, w.block // 2]
+        else:
+            assert inits[w.codes].data_type == onnx.TensorProto.INT8
         assert bool(w.offset) == (w.dtype == "uint4")
     deq = dequantized_here(bundle)
     for w in q.weights:
@@ -146,7 +152,7 @@ def _ancestors(g: onnx.GraphProto, name: str) -> set[str]:
 
 
 def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
-    """Each DequantizeLinear waits for the activation of the matmul that reads it (so ORT cannot run them all, and
+    """Each dequantization waits for the activation of the matmul that reads it (so ORT cannot run them all, and
     hold all the float32 copies, at the start of the step, nor fold them into float32 constants), and the backward
     pass dequantizes again instead of keeping the forward's copy alive."""
     from artifacts_gen.recompute import backward_nodes, readers
@@ -154,7 +160,7 @@ def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
     read_by = readers(g)
     bwd = backward_nodes(g, read_by)
     producer = {o: n for n in g.node for o in n.output}
-    dqs = [(i, n) for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear"]
+    dqs = [(i, n) for i, n, _ in dequantizations(g)]
     assert dqs
     offsets = [(i, n) for i, n in enumerate(g.node) if n.op_type == "Reshape" and n.input[0].endswith(quantize.OFFSET)]
     for i, n in dqs + offsets:
@@ -172,11 +178,12 @@ def assert_dequantization_is_just_in_time(g: onnx.GraphProto) -> None:
         assert not uses or set(acts) & before, n.name                   # ... and for its reader's activation
         sides = {j in bwd for j in read_by[out]}
         assert len(sides) == 1, n.name                                 # not kept from the forward to the backward
-    # int4's float16 scales and offsets are cast after their gate: a Cast of an initializer is a constant, which ORT
-    # folds into a float32 copy on the heap; and the backward casts its own (Qwen2.5-0.5B in --memory low: +170 MiB)
+    # A Cast (int4's float16 scales and offsets; int8 codes) or a bit operation (uint4 codes) of an initializer is a
+    # constant, which ORT folds into a float32 copy on the heap: each reads its initializer through a gate, and the
+    # backward pass has its own (Qwen2.5-0.5B in --memory low: +170 MiB for the scales and offsets' Casts)
     constants = {i.name for i in g.initializer} | {i.name for i in g.input}
     for i, n in enumerate(g.node):
-        if n.op_type == "Cast" and n.output[0].startswith(quantize.PREFIX):
+        if n.op_type in ("Cast", "BitwiseAnd", "BitShift") and n.output[0].startswith("/"):
             assert n.input[0] not in constants, n.name
             assert {j in bwd for j in read_by[n.output[0]]} == {i in bwd}, n.name
 
@@ -189,10 +196,10 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
     weights = {w.onnx_name for w in bundle.manifest.quant.weights}
     from artifacts_gen.recompute import backward_nodes, readers
     bwd = backward_nodes(g)
-    fwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i not in bwd]
-    bwd_dq = [n for i, n in enumerate(g.node) if n.op_type == "DequantizeLinear" and i in bwd]
+    fwd_dq = [codes for i, _, codes in weight_reads(g) if i not in bwd]
+    bwd_dq = [codes for i, _, codes in dequantizations(g) if i in bwd]
     linear = [w for w in bundle.manifest.quant.weights if not is_vocab(w)]
-    assert {n.input[0] for n in fwd_dq} >= {w.codes for w in linear}          # every linear weight dequantized
+    assert set(fwd_dq) >= {w.codes for w in linear}               # every linear weight dequantized or MatMulNBits'
     weights = {w.onnx_name for w in linear}
     read_by = readers(g)
     for w in weights:          # its float32 copy (after the offset, if any) is not kept for the backward pass
@@ -201,8 +208,8 @@ def test_dequantization_is_gated_and_recomputed_for_the_backward(built):
     vocab = [w for w in bundle.manifest.quant.weights if is_vocab(w)]
     assert vocab, "the embedding / LM head is quantized too"
     whole = {w.codes for w in vocab}
-    assert not [n.name for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in whole]
-    assert sum(n.op_type == "DequantizeLinear" and n.input[0].startswith("/chunked_head/") for n in g.node) >= 2
+    assert not [codes for _, _, codes in dequantizations(g) if codes in whole]
+    assert sum(codes.startswith("/chunked_head/") for _, _, codes in dequantizations(g)) >= 2
     # dX = dY W^T needs a weight again wherever a gradient flows below it (not under the first layer's inputs)
     assert len(weights) // 2 <= len(bwd_dq) < len(weights)
     for graph in (g, onnx.load(str(bundle.file(mf.EVAL_MODEL)), load_external_data=False).graph):
@@ -249,17 +256,24 @@ def test_no_shard_bytes_are_mapped_twice(built):
 
 
 def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> None:
-    """A 4-bit [out, in] weight's float32 copy is its DequantizeLinear's output, read by matmuls as it is (B
-    transposed), forward and backward: no Transpose (ORT 1.19's optimizer breaks a Transpose of a uint4 DQ) and no
-    offset added to the whole weight (the offset term multiplies the activation's block sums instead)."""
+    """A 4-bit [out, in] weight is read by MatMulNBits (the forward pass: no float32 copy), or its float32 copy is
+    its dequantization's output, read by matmuls as it is (B transposed; the backward pass): no Transpose (ORT
+    1.19's optimizer breaks a Transpose of a uint4 DQ) and no offset added to the whole weight (the offset term
+    multiplies the activation's block sums instead); and the codes are centred, (C - 8) S (MatMulNBits' default
+    zero point is 8)."""
     from artifacts_gen.recompute import readers
 
     read_by = readers(g)
+    by_name = {n.name: n for n in g.node}
     codes = {w.codes for w in weights if w.codes_transposed}
-    dqs = [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in codes]
-    assert len({n.input[0] for n in dqs}) == len(codes)
-    for n in dqs:
-        assert len(n.input) == 3                                   # zero point 8: (C - 8) S, the centred codes
+    reads = [(n, c) for _, n, c in weight_reads(g) if c in codes]
+    assert {c for _, c in reads} == codes
+    for n, _ in reads:
+        if n.op_type == "MatMulNBits":
+            assert len(n.input) == 3, n.name                          # no zero points: 8
+            continue
+        zero_point = by_name.get(n.name[:-1] + "f", n)                # fast_dequant's per-tensor DequantizeLinear
+        assert len(zero_point.input) == 3, n.name
         for j in read_by[n.output[0]]:
             r = g.node[j]
             assert r.op_type in ("FusedMatMul", "Gemm") and list(r.input).index(n.output[0]) == 1, (n.name, r.op_type)

@@ -124,7 +124,8 @@ def test_keep_stores_the_blocks_as_they_are(kept):
     inits = {i.name: i for i in g.initializer}
     for key, w in by_key.items():
         assert w.source_format == blocks[key].fmt and w.onnx_name not in inits
-        want = onnx.TensorProto.UINT4 if w.source_format == "Q4_K" else onnx.TensorProto.INT8
+        # Q4_K's 4-bit codes: read as their bytes, uint8 (artifacts_gen/fast_dequant.py); the embedding's: as stored
+        want = onnx.TensorProto.UINT8 if w.source_format == "Q4_K" else onnx.TensorProto.INT8
         assert inits[w.codes].data_type == want
         assert bool(w.offset) == (w.source_format == "Q4_K")
     ours = quantize.dequantized_weights(bundle.path, q)
