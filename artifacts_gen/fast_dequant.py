@@ -10,9 +10,11 @@ training step. So each gated DequantizeLinear of a linear weight's codes (an ini
   uint4 codes C [N, K] (two a byte, the first in the low nibble), a scale per block along K, zero point 8:
       in the forward pass (every reader computes A W^T, as FusedMatMul or Gemm with transB), MatMulNBits over the
       codes' bytes, which multiplies without a float32 copy of the weight (zero point 8 is its default; nbits.py);
-      elsewhere (the backward pass's dX = dY W, or another zero point): lo = B & 15, hi = B >> 4, interleaved back
-      by a uint8 Concat on a last axis of 2 (one byte a code), a per-tensor DequantizeLinear (scale 1, the zero
-      point: small exact integers, ORT's vectorized path) and a Mul by the block scales.
+      a backward reader dY W (the pass's dX) as two matmuls over W's even and odd input columns, the bytes' low
+      nibbles B & 15 and high nibbles B >> 4, each half dequantized alone by a per-tensor DequantizeLinear (scale
+      1, the zero point: small exact integers, ORT's vectorized path) and a Mul by the block scales, the high half
+      gated on the low half's product, and the two products interleaved (_split_nodes: at most half the weight in
+      float32 at once); any other reader: the whole weight, the nibbles interleaved by a uint8 Concat first.
 
 Each value is (q - z) * s rounded once, as DequantizeLinear computes it: the weights are the same bit for bit
 (tests/test_fast_dequant.py); MatMulNBits' products are float32 sums in another order. The codes are gated on the
@@ -22,11 +24,14 @@ uint8 [N, K / block, block / 2] of the same bytes in place (same name, same exte
 quantize.codes_array reads both forms). The decoder has its own graph (nbits.py), and DequantizeLinear nodes of
 computed codes (the LM head's vocabulary slices, the embedding lookups) or of the vocabulary are left as they are.
 
-Measured (Qwen2.5-0.5B random weights, one micro-batch of 2 x 128 forward and backward, 2 threads, 3 alternating
-processes x 5 passes, 2026-12-07): float32 2.8 s; int4 4.9 s before, 3.95 s after (0.57x -> 0.71x of float32); int8
-4.3 s before, 3.3-3.6 s after (0.68x -> ~0.85x).
+Measured (Qwen2.5-0.5B random weights, forward and backward of 2 x 128 tokens, 2 threads, alternating processes,
+2026-12-07): float32 2.7-2.9 s; int4 4.9 s before, 3.7 s after (0.57x -> 0.74x of float32), peak RSS 1,290 -> 1,248
+MiB; --memory low at 1 x 128: peak anonymous 638 -> 629 MiB (the whole-weight form for the backward: 689). int8 4.3
+s before, 3.3-3.6 s after (0.68x -> ~0.85x).
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import onnx
@@ -123,6 +128,62 @@ def _uint4_nodes(g, have, n, codes: onnx.TensorProto, zp: int, p: str) -> list[o
              name=p + "w")]
 
 
+def _splittable(r: onnx.NodeProto, w: str) -> bool:
+    """r computes A W from weight w [N, K] as its B (the backward pass's dX = dY W): MatMul, or FusedMatMul or Gemm
+    without transposes and (Gemm) without C."""
+    a = _attrs(r)
+    if len(r.input) < 2 or r.input[1] != w or r.input[0] == w or a.get("transA", 0) or a.get("transB", 0):
+        return False
+    if r.op_type == "FusedMatMul":
+        return not a.get("transBatchA", 0) and not a.get("transBatchB", 0)
+    if r.op_type == "Gemm":
+        return (len(r.input) < 3 or not r.input[2]) and a.get("alpha", 1.0) == 1.0
+    return r.op_type == "MatMul"
+
+
+def _split_nodes(g, have, n: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, zp: int, p: str
+                 ) -> list[onnx.NodeProto]:
+    """Reader r (A W, _splittable) of a uint4 weight as two matmuls over its even and odd input columns, the low
+    and high nibbles of the codes' bytes, each dequantized alone (DequantizeLinear per tensor, Mul by the block
+    scales): A W[:, 0::2] and A W[:, 1::2], interleaved into r's output. The high half's codes are gated on the low
+    half's product, so at most half the weight is float32 at a time and no uint8 interleave of the codes exists:
+    the whole weight dequantized (_uint4_nodes) took ~50 MiB more anonymous memory than DequantizeLinear did
+    (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a tenth of its time."""
+    block = _attrs(n)["block_size"]
+    rows, cols = (int(d) for d in codes.dims)
+    make = helper.make_node
+    last = _const(g, have, "axis_last", [-1], np.int64)
+    half = [rows, cols // 2]
+    zero = _const(g, have, "zero", 0, np.int64)
+    nodes = [make("Unsqueeze", [n.input[1], last], [p + "s"], name=p + "s")]
+    outs = []
+    for part, after in (("lo", n.input[1]), ("hi", p + "lo/y")):
+        q = f"{p}{part}/"
+        nodes += gate_nodes(n.input[0], after, q + "gate/", zero)
+        if part == "lo":
+            nodes.append(make("BitwiseAnd", [q + "gate/x", _const(g, have, "fifteen", 15, np.uint8)], [q + "c"],
+                              name=q + "c"))
+        else:
+            nodes.append(make("BitShift", [q + "gate/x", _const(g, have, "four", 4, np.uint8)], [q + "c"], name=q + "c",
+                              direction="RIGHT"))
+        nodes += [
+            make("DequantizeLinear", [q + "c", _const(g, have, "one", 1.0, np.float32),
+                                      _const(g, have, f"zp{zp}", zp, np.uint8)], [q + "f"], name=q + "f"),
+            make("Mul", [q + "f", p + "s"], [q + "w3"], name=q + "w3"),
+            make("Reshape", [q + "w3", _const(g, have, "x".join(map(str, half)), half, np.int64)], [q + "w"],
+                 name=q + "w")]
+        mm = copy.deepcopy(r)
+        mm.input[1], mm.output[0], mm.name = q + "w", q + "y", q + "y"
+        nodes += [mm, make("Unsqueeze", [q + "y", last], [q + "y1"], name=q + "y1")]
+        outs.append(q + "y1")
+    nodes += [make("Concat", outs, [p + "pairs"], name=p + "pairs", axis=-1),
+              make("Shape", [p + "lo/y"], [p + "lead"], name=p + "lead", start=0, end=-1),
+              make("Concat", [p + "lead", _const(g, have, f"k{cols}", [cols], np.int64)], [p + "shape"],
+                   name=p + "shape", axis=0),
+              make("Reshape", [p + "pairs", p + "shape"], [r.output[0]], name=p + "y")]
+    return nodes
+
+
 def as_bytes(codes: onnx.TensorProto, block: int) -> None:
     """In place: a uint4 [N, K] initializer as the uint8 [N, K / block, block / 2] of its bytes (external or inline,
     unchanged): MatMulNBits' B, and to the bit operations any shape will do."""
@@ -192,6 +253,10 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
                                                [flat], name=flat)]
                 for r in read_by[w]:
                     replace[r] = _nbits_nodes(g, have, n, g.node[r], inits[name], flat, f"{p}{r}/")
+            elif len(read_by[w]) == 1 and _splittable(g.node[read_by[w][0]], w):
+                replace[j] = []
+                r = read_by[w][0]
+                replace[r] = _split_nodes(g, have, n, g.node[r], inits[name], zp, p)
             else:
                 replace[j] = _uint4_nodes(g, have, n, inits[name], zp, p)
         if inits[name].data_type == TensorProto.UINT4:

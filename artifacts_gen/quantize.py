@@ -30,6 +30,10 @@ its layer's activation (recompute.gate_nodes; the scales, not the codes: ORT 1.1
 right before its MatMul and its float32 copy is freed after it. The backward pass needs W again (dX = dY W^T); `recompute_dequantized` gives each backward reader its own
 dequantization, gated on that reader's backward input, instead of keeping the forward's copy alive from the
 forward pass to the backward pass. At most a few float32 weights exist at any time.
+
+Speed. ORT 1.19's DequantizeLinear is single-threaded; the finished training and eval graphs' dequantizations of
+the linear weights are rewritten into faster ops of the same values by fast_dequant.py (int8: Cast and Mul; uint4:
+MatMulNBits forward, bit operations backward).
 """
 from __future__ import annotations
 

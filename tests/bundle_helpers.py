@@ -117,7 +117,8 @@ def head_weight_views(bundle) -> tuple[str, list[str]]:
 def dequantizations(g: onnx.GraphProto) -> list[tuple[int, onnx.NodeProto, str]]:
     """(index, node, codes) of each weight's dequantization in a training or eval graph: a DequantizeLinear (of
     codes, or of their gathered or sliced rows), or artifacts_gen/fast_dequant's rewrite of one (its last node,
-    ".../w", which reads the codes through the gate ".../gate/x")."""
+    ".../w", which reads the codes through the gate ".../gate/x"; a weight split into its even and odd columns
+    has two, ".../lo/w" and ".../hi/w")."""
     from artifacts_gen import fast_dequant
 
     by_name = {n.name: n for n in g.node}

@@ -17,7 +17,8 @@ N, K, BLOCK = 24, 64, 16
 
 def _graph(codes: onnx.TensorProto, scale: np.ndarray, dq_attrs: dict, zero_point: onnx.TensorProto | None,
            reader: str) -> onnx.ModelProto:
-    """x -> gate(scale) -> DequantizeLinear(codes) -> w; outputs w itself (reader "") or FusedMatMul(x, w, transB)."""
+    """x -> gate(scale) -> DequantizeLinear(codes) -> w; outputs w itself (reader ""), FusedMatMul(x, w, transB)
+    ("mm": a forward matmul, x [m, K]) or MatMul(x, w) ("dx": the backward pass's dY W, x [m, N])."""
     inits = [codes, numpy_helper.from_array(scale, "s"), numpy_helper.from_array(np.asarray(0, np.int64), "zero")]
     dq_inputs = ["q", "g/x"]
     if zero_point is not None:
@@ -26,10 +27,15 @@ def _graph(codes: onnx.TensorProto, scale: np.ndarray, dq_attrs: dict, zero_poin
     nodes = gate_nodes("s", "x", "g/", "zero") + [helper.make_node("DequantizeLinear", dq_inputs, ["w"], name="dq",
                                                                    **dq_attrs)]
     outputs = [helper.make_tensor_value_info("w", TensorProto.FLOAT, None)]
-    if reader:
+    if reader == "mm":
         nodes.append(helper.make_node("FusedMatMul", ["x", "w"], ["y"], name="mm", domain="com.microsoft", transB=1))
+    elif reader == "dx":
+        nodes.append(helper.make_node("MatMul", ["x", "w"], ["y"], name="dx"))
+    if reader:
         outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])], outputs, inits)
+    x_dim = N if reader == "dx" else K
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)], outputs,
+                          inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
                              ir_version=10)
 
@@ -86,6 +92,23 @@ def test_a_forward_matmul_of_uint4_codes_becomes_matmulnbits():
     y = _run(model, x)
     ref = x.astype(np.float64) @ want.astype(np.float64).T
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_a_backward_matmul_of_uint4_codes_is_split_into_even_and_odd_columns():
+    """dY W as dY W[:, 0::2] and dY W[:, 1::2] from the low and high nibbles, interleaved: no float32 copy of the
+    whole weight, the high half's dequantization waiting for the low half's product."""
+    codes, scale, attrs, zp, want = _cases()["uint4 zero point 8"]
+    model = _graph(codes, scale, attrs, zp, reader="dx")
+    assert fast_dequant.rewrite(model, {"q"}) == 1
+    g = model.graph
+    assert sum(n.op_type == "MatMul" for n in g.node) == 2 and "Concat" in {n.op_type for n in g.node}
+    produced = {o: n for n in g.node for o in n.output}
+    hi_gate = next(n for n in g.node if n.name.endswith("hi/gate/gate_shape"))
+    assert produced[hi_gate.input[0]].op_type == "MatMul"          # waits for the low half's product
+    dy = RNG.standard_normal((2, 3, N)).astype(np.float32)
+    y = _run(model, dy)
+    ref = dy.astype(np.float64) @ want.astype(np.float64)
+    assert y.shape == ref.shape and np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_codes_read_otherwise_are_left_alone():
