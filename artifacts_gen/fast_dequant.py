@@ -14,7 +14,8 @@ training step. So each gated DequantizeLinear of a linear weight's codes (an ini
       nibbles B & 15 and high nibbles B >> 4, each half dequantized alone by a per-tensor DequantizeLinear (scale
       1, the zero point: small exact integers, ORT's vectorized path) and a Mul by the block scales, the high half
       gated on the low half's product, and the two products interleaved (_split_nodes: at most half the weight in
-      float32 at once); any other reader: the whole weight, the nibbles interleaved by a uint8 Concat first.
+      float32 at once); any other reader (none in the bundles built so far): the whole weight, both halves
+      interleaved (_uint4_nodes).
 
 Each value is (q - z) * s rounded once, as DequantizeLinear computes it: the weights are the same bit for bit
 (tests/test_fast_dequant.py); MatMulNBits' products are float32 sums in another order. The codes are gated on the
@@ -54,10 +55,10 @@ def _const(g: onnx.GraphProto, have: set[str], tag: str, value, dtype) -> str:
     return name
 
 
-def _plan(n: onnx.NodeProto, inits: dict, base_dir: str) -> str | None:
-    """'int8' or 'uint4' when this DequantizeLinear can be rewritten: its codes an initializer (2-D), its scale a
-    computed (gated) tensor, and its form one of the module note's."""
-    if n.op_type != "DequantizeLinear" or n.input[0] not in inits or n.input[1] in inits:
+def _plan(n: onnx.NodeProto, inits: dict, base_dir: str) -> tuple[str, int] | None:
+    """("int8" | "uint4", zero point) when this DequantizeLinear can be rewritten: its codes an initializer (2-D),
+    its scale a computed (gated) tensor, and its form one of the module note's."""
+    if n.input[0] not in inits or n.input[1] in inits:
         return None
     codes, a = inits[n.input[0]], _attrs(n)
     if len(codes.dims) != 2:
@@ -65,10 +66,10 @@ def _plan(n: onnx.NodeProto, inits: dict, base_dir: str) -> str | None:
     axis, block = a.get("axis", 1) % 2, a.get("block_size", 0)
     zp = n.input[2] if len(n.input) > 2 and n.input[2] else None
     if codes.data_type == TensorProto.INT8 and zp is None:
-        return "int8" if not block or codes.dims[axis] % block == 0 else None
+        return ("int8", 0) if not block or codes.dims[axis] % block == 0 else None
     if codes.data_type == TensorProto.UINT4 and block and axis == 1 and block % 2 == 0 and codes.dims[1] % block == 0:
-        if zp is None or _zero_point(inits[zp], base_dir) is not None:
-            return "uint4"
+        value = 0 if zp is None else _zero_point(inits[zp], base_dir)
+        return None if value is None else ("uint4", value)
     return None
 
 
@@ -104,27 +105,43 @@ def _int8_nodes(g, have, n, codes: onnx.TensorProto, p: str) -> list[onnx.NodePr
              name=p + "w")]
 
 
-def _uint4_nodes(g, have, n, codes: onnx.TensorProto, zp: int, p: str) -> list[onnx.NodeProto]:
-    block = _attrs(n)["block_size"]
+def _half_nodes(g, have, n: onnx.NodeProto, zp: int, part: str, after: str, scales: str, q: str
+                ) -> list[onnx.NodeProto]:
+    """Nodes computing q + "w3", the float32 [N, K / block, block / 2] of a uint4 weight's even ("lo": the bytes' low
+    nibbles, B & 15) or odd ("hi": B >> 4) input columns: its codes gated on `after`, a per-tensor DequantizeLinear
+    (scale 1, the zero point: exact small integers) and a Mul by `scales` ([N, K / block, 1]: _scales_nodes)."""
+    make = helper.make_node
+    nodes = gate_nodes(n.input[0], after, q + "gate/", _const(g, have, "zero", 0, np.int64))
+    if part == "lo":
+        nodes.append(make("BitwiseAnd", [q + "gate/x", _const(g, have, "fifteen", 15, np.uint8)], [q + "c"],
+                          name=q + "c"))
+    else:
+        nodes.append(make("BitShift", [q + "gate/x", _const(g, have, "four", 4, np.uint8)], [q + "c"], name=q + "c",
+                          direction="RIGHT"))
+    return nodes + [
+        make("DequantizeLinear", [q + "c", _const(g, have, "one", 1.0, np.float32),
+                                  _const(g, have, f"zp{zp}", zp, np.uint8)], [q + "f"], name=q + "f"),
+        make("Mul", [q + "f", scales], [q + "w3"], name=q + "w3")]
+
+
+def _scales_nodes(g, have, n: onnx.NodeProto, p: str) -> list[onnx.NodeProto]:
+    """p + "s": the gated block scales [N, K / block, 1], for _half_nodes' Mul."""
+    return [helper.make_node("Unsqueeze", [n.input[1], _const(g, have, "axis_last", [-1], np.int64)], [p + "s"],
+                             name=p + "s")]
+
+
+def _uint4_nodes(g, have, n: onnx.NodeProto, codes: onnx.TensorProto, zp: int, p: str) -> list[onnx.NodeProto]:
+    """The whole weight [N, K] (for a reader _splittable does not take): both halves, interleaved."""
     rows, cols = (int(d) for d in codes.dims)
     make = helper.make_node
-    blocks = [rows, cols // block, block]
     last = _const(g, have, "axis_last", [-1], np.int64)
-    nodes = gate_nodes(n.input[0], n.input[1], p + "gate/", _const(g, have, "zero", 0, np.int64))
+    nodes = _scales_nodes(g, have, n, p)
+    for part in ("lo", "hi"):
+        nodes += _half_nodes(g, have, n, zp, part, n.input[1], p + "s", f"{p}{part}/")
+        nodes.append(make("Unsqueeze", [f"{p}{part}/w3", last], [f"{p}{part}/w4"], name=f"{p}{part}/w4"))
     return nodes + [
-        make("BitwiseAnd", [p + "gate/x", _const(g, have, "fifteen", 15, np.uint8)], [p + "lo"], name=p + "lo"),
-        make("BitShift", [p + "gate/x", _const(g, have, "four", 4, np.uint8)], [p + "hi"], name=p + "hi",
-             direction="RIGHT"),
-        make("Unsqueeze", [p + "lo", last], [p + "lo1"], name=p + "lo1"),
-        make("Unsqueeze", [p + "hi", last], [p + "hi1"], name=p + "hi1"),
-        make("Concat", [p + "lo1", p + "hi1"], [p + "pairs"], name=p + "pairs", axis=-1),
-        make("Reshape", [p + "pairs", _const(g, have, "x".join(map(str, blocks)), blocks, np.int64)], [p + "c"],
-             name=p + "c"),
-        make("DequantizeLinear", [p + "c", _const(g, have, "one", 1.0, np.float32),
-                                  _const(g, have, f"zp{zp}", zp, np.uint8)], [p + "f"], name=p + "f"),
-        make("Unsqueeze", [n.input[1], last], [p + "s"], name=p + "s"),
-        make("Mul", [p + "f", p + "s"], [p + "w3"], name=p + "w3"),
-        make("Reshape", [p + "w3", _const(g, have, f"{rows}x{cols}", [rows, cols], np.int64)], [n.output[0]],
+        make("Concat", [p + "lo/w4", p + "hi/w4"], [p + "pairs"], name=p + "pairs", axis=-1),
+        make("Reshape", [p + "pairs", _const(g, have, f"{rows}x{cols}", [rows, cols], np.int64)], [n.output[0]],
              name=p + "w")]
 
 
@@ -146,32 +163,21 @@ def _split_nodes(g, have, n: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.Tens
     """Reader r (A W, _splittable) of a uint4 weight as two matmuls over its even and odd input columns, the low
     and high nibbles of the codes' bytes, each dequantized alone (DequantizeLinear per tensor, Mul by the block
     scales): A W[:, 0::2] and A W[:, 1::2], interleaved into r's output. The high half's codes are gated on the low
-    half's product, so at most half the weight is float32 at a time and no uint8 interleave of the codes exists:
-    the whole weight dequantized (_uint4_nodes) took ~50 MiB more anonymous memory than DequantizeLinear did
-    (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a tenth of its time."""
-    block = _attrs(n)["block_size"]
+    half's product, so at most half the weight is float32 at a time: the whole weight dequantized at once (a first
+    version, the nibbles interleaved by a uint8 Concat before the DequantizeLinear) took ~50 MiB more anonymous
+    memory than DequantizeLinear did (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a
+    tenth of its time."""
     rows, cols = (int(d) for d in codes.dims)
     make = helper.make_node
     last = _const(g, have, "axis_last", [-1], np.int64)
     half = [rows, cols // 2]
-    zero = _const(g, have, "zero", 0, np.int64)
-    nodes = [make("Unsqueeze", [n.input[1], last], [p + "s"], name=p + "s")]
+    nodes = _scales_nodes(g, have, n, p)
     outs = []
     for part, after in (("lo", n.input[1]), ("hi", p + "lo/y")):
         q = f"{p}{part}/"
-        nodes += gate_nodes(n.input[0], after, q + "gate/", zero)
-        if part == "lo":
-            nodes.append(make("BitwiseAnd", [q + "gate/x", _const(g, have, "fifteen", 15, np.uint8)], [q + "c"],
-                              name=q + "c"))
-        else:
-            nodes.append(make("BitShift", [q + "gate/x", _const(g, have, "four", 4, np.uint8)], [q + "c"], name=q + "c",
-                              direction="RIGHT"))
-        nodes += [
-            make("DequantizeLinear", [q + "c", _const(g, have, "one", 1.0, np.float32),
-                                      _const(g, have, f"zp{zp}", zp, np.uint8)], [q + "f"], name=q + "f"),
-            make("Mul", [q + "f", p + "s"], [q + "w3"], name=q + "w3"),
-            make("Reshape", [q + "w3", _const(g, have, "x".join(map(str, half)), half, np.int64)], [q + "w"],
-                 name=q + "w")]
+        nodes += _half_nodes(g, have, n, zp, part, after, p + "s", q)
+        nodes.append(make("Reshape", [q + "w3", _const(g, have, "x".join(map(str, half)), half, np.int64)], [q + "w"],
+                          name=q + "w"))
         mm = copy.deepcopy(r)
         mm.input[1], mm.output[0], mm.name = q + "w", q + "y", q + "y"
         nodes += [mm, make("Unsqueeze", [q + "y", last], [q + "y1"], name=q + "y1")]
@@ -203,7 +209,7 @@ def _fusable(r: onnx.NodeProto, w: str) -> bool:
     return r.op_type == "Gemm" and a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0
 
 
-def _nbits_nodes(g, have, dq: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, flat: str, p: str
+def _nbits_nodes(dq: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, flat: str, p: str
                  ) -> list[onnx.NodeProto]:
     """Reader r of dq's weight as MatMulNBits over the codes' bytes (zero point 8, MatMulNBits' default; A of any
     rank) plus Gemm's C."""
@@ -241,10 +247,10 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
             n = g.node[j]
             p = f"{PREFIX}{count}/"
             count += 1
-            if plans[j] == "int8":
+            kind, zp = plans[j]
+            if kind == "int8":
                 replace[j] = _int8_nodes(g, have, n, inits[name], p)
                 continue
-            zp = _zero_point(inits[n.input[2]], base_dir) if len(n.input) > 2 and n.input[2] else 0
             w = n.output[0]
             if (j not in bwd and zp == 8 and read_by[w]
                     and all(_fusable(g.node[r], w) and r not in bwd for r in read_by[w])):
@@ -252,7 +258,7 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
                 replace[j] = [helper.make_node("Reshape", [n.input[1], _const(g, have, "flat", [-1], np.int64)],
                                                [flat], name=flat)]
                 for r in read_by[w]:
-                    replace[r] = _nbits_nodes(g, have, n, g.node[r], inits[name], flat, f"{p}{r}/")
+                    replace[r] = _nbits_nodes(n, g.node[r], inits[name], flat, f"{p}{r}/")
             elif len(read_by[w]) == 1 and _splittable(g.node[read_by[w][0]], w):
                 replace[j] = []
                 r = read_by[w][0]
@@ -271,6 +277,4 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
     drop_dead(g)                                   # the zero points' tensors, read by nothing now
     if any(n.op_type == "MatMulNBits" for n in g.node) and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    if next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) < 18:     # BitwiseAnd
-        assert not any(n.op_type == "BitwiseAnd" for n in g.node), "uint4 codes below opset 21"
     return count

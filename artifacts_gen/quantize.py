@@ -211,8 +211,13 @@ def codes_array(t: TensorProto, w: mf.QuantizedWeight, base_dir: str = ".") -> n
     (INT4 / UINT4 [N, K], or the training and eval graphs' uint8 view of the same bytes [N, K / 2]: fast_dequant)."""
     codes = read_tensor(t, base_dir)
     if w.dtype == "uint4" and t.data_type == TensorProto.UINT8:
-        codes = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(codes.shape[0], -1).astype(np.int8)
+        codes = unpack_nibbles(codes).reshape(codes.shape[0], -1)
     return codes
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 bytes -> their two 4-bit codes each as int8 (0..15), the low nibble first: [..., n] -> [..., 2 n]."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.int8)
 
 
 def read_tensor(t: TensorProto, base_dir: str = ".") -> np.ndarray:
@@ -224,8 +229,7 @@ def read_tensor(t: TensorProto, base_dir: str = ".") -> np.ndarray:
         del t.external_data[:]
     if t.data_type not in (TensorProto.INT4, TensorProto.UINT4):
         return numpy_helper.to_array(t)
-    raw = np.frombuffer(t.raw_data, dtype=np.uint8)
-    both = np.stack([raw & 0x0F, raw >> 4], axis=1).reshape(-1).astype(np.int8)
+    both = unpack_nibbles(np.frombuffer(t.raw_data, dtype=np.uint8))
     if t.data_type == TensorProto.INT4:
         both = np.where(both > 7, both - 16, both).astype(np.int8)
     return both[: int(np.prod(t.dims))].reshape(list(t.dims))

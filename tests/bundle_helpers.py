@@ -117,8 +117,8 @@ def head_weight_views(bundle) -> tuple[str, list[str]]:
 def dequantizations(g: onnx.GraphProto) -> list[tuple[int, onnx.NodeProto, str]]:
     """(index, node, codes) of each weight's dequantization in a training or eval graph: a DequantizeLinear (of
     codes, or of their gathered or sliced rows), or artifacts_gen/fast_dequant's rewrite of one (its last node,
-    ".../w", which reads the codes through the gate ".../gate/x"; a weight split into its even and odd columns
-    has two, ".../lo/w" and ".../hi/w")."""
+    ".../w", which reads the codes through the gate ".../gate/x" or ".../lo/gate/x"; a weight split into its even
+    and odd columns has two, ".../lo/w" and ".../hi/w")."""
     from artifacts_gen import fast_dequant
 
     by_name = {n.name: n for n in g.node}
@@ -127,7 +127,8 @@ def dequantizations(g: onnx.GraphProto) -> list[tuple[int, onnx.NodeProto, str]]
         if n.op_type == "DequantizeLinear" and not n.name.startswith(fast_dequant.PREFIX):
             out.append((i, n, n.input[0]))
         elif n.name.startswith(fast_dequant.PREFIX) and n.name.endswith("/w"):
-            out.append((i, n, by_name[n.name[:-1] + "gate/x"].input[0]))
+            gate = by_name.get(n.name[:-1] + "gate/x") or by_name[n.name[:-1] + "lo/gate/x"]   # (the whole weight's)
+            out.append((i, n, gate.input[0]))
     return out
 
 
@@ -147,10 +148,10 @@ def dequantized_here(bundle) -> dict[str, np.ndarray]:
     out = {}
     for q in bundle.manifest.quant.weights:
         t = inits[q.codes]
-        codes = numpy_helper.to_array(t).astype(np.float32)
-        if t.data_type == onnx.TensorProto.UINT8 and q.dtype == "uint4":    # the graphs' byte view of 4-bit codes
-            b = numpy_helper.to_array(t)                     # [N, K / block, block / 2] (artifacts_gen/fast_dequant.py)
-            codes = np.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(np.float32)
+        codes = numpy_helper.to_array(t)
+        if t.data_type == onnx.TensorProto.UINT8 and q.dtype == "uint4":    # the graphs' byte view of 4-bit codes,
+            codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1)   # [N, K/block, block/2]
+        codes = codes.astype(np.float32)
         scale = numpy_helper.to_array(inits[q.scale])
         groups = scale
         if q.block:

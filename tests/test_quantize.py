@@ -272,7 +272,8 @@ def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> 
         if n.op_type == "MatMulNBits":
             assert len(n.input) == 3, n.name                          # no zero points: 8
             continue
-        zero_point = by_name.get(n.name[:-1] + "f", n)                # fast_dequant's per-tensor DequantizeLinear
+        zero_point = (by_name.get(n.name[:-1] + "f") or by_name.get(n.name[:-1] + "lo/f")   # fast_dequant's
+                      or n)                                                                # per-tensor DQ
         assert len(zero_point.input) == 3, n.name
         for j in read_by[n.output[0]]:
             r = g.node[j]
