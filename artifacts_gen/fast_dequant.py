@@ -10,6 +10,14 @@ training step. So each gated DequantizeLinear of a linear weight's codes (an ini
   uint4 codes C [N, K] (two a byte, the first in the low nibble), a scale per block along K, zero point 8:
       in the forward pass (every reader computes A W^T, as FusedMatMul or Gemm with transB), MatMulNBits over the
       codes' bytes, which multiplies without a float32 copy of the weight (zero point 8 is its default; nbits.py);
+      a weight with offsets (W^T = C S + O per block: int4, Q4_K) whose readers' outputs feed only the offset
+      term's Add (quantize._add_offset_term) instead gets float zero points zp = -O / S = 8 - (O + 8 S) / S,
+      computed from the gated offsets and scales, and the offset term goes from the forward pass (_offset_add;
+      not for a weight with a zero scale, whose block no zero point can give). In ORT 1.19 without prepacking
+      MatMulNBits dequantizes B into a float32 buffer and runs an SGEMM; with float zero points that dequantization
+      is its other loop, which measured faster, not slower (2 threads, medians of 37 runs, 2026-12-07): [256, 896]
+      x [4864, 896]^T 36.4 ms with float zero points, 42.6 without, 45.2 with the offset term, 29.9 in float32;
+      [256, 4864] x [896, 4864]^T 32.4 / 40.1 / 46.2 / 28.7 ms;
       a backward reader dY W (the pass's dX) as two matmuls over W's even and odd input columns, the bytes' low
       nibbles B & 15 and high nibbles B >> 4, each half dequantized alone by a per-tensor DequantizeLinear (scale
       1, the zero point: small exact integers, ORT's vectorized path) and a Mul by the block scales, the high half
@@ -28,7 +36,11 @@ computed codes (the LM head's vocabulary slices, the embedding lookups) or of th
 Measured (Qwen2.5-0.5B random weights, forward and backward of 2 x 128 tokens, 2 threads, alternating processes,
 2026-12-07): float32 2.7-2.9 s; int4 4.9 s before, 3.7 s after (0.57x -> 0.74x of float32), peak RSS 1,290 -> 1,248
 MiB; --memory low at 1 x 128: peak anonymous 638 -> 629 MiB (the whole-weight form for the backward: 689). int8 4.3
-s before, 3.3-3.6 s after (0.68x -> ~0.85x).
+s before, 3.3-3.6 s after (0.68x -> ~0.85x). The zero-point fold, on another host (medians of 6 alternating rounds):
+float32 3.65 s, int4 5.15 s without, 4.66 s with (0.71x -> 0.78x); profiled kernel time 5.29 -> 5.08 s a pass
+(MatMulNBits 1.69 -> 1.45 s; the forward /dequant/ nodes, gates, casts and the offset term, 0.26 -> 0.10 s),
+float32 3.65 s. What is left is the backward pass: its half matmuls 1.3 s and their dequantization 0.56 s (the Mul
+by the block scales 0.24 s of it).
 """
 from __future__ import annotations
 
@@ -209,18 +221,61 @@ def _fusable(r: onnx.NodeProto, w: str) -> bool:
     return r.op_type == "Gemm" and a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0
 
 
-def _nbits_nodes(dq: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, flat: str, p: str
-                 ) -> list[onnx.NodeProto]:
-    """Reader r of dq's weight as MatMulNBits over the codes' bytes (zero point 8, MatMulNBits' default; A of any
-    rank) plus Gemm's C."""
+def _nbits_nodes(dq: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, flat: str, p: str,
+                 zero_points: str | None = None, out: str | None = None) -> list[onnx.NodeProto]:
+    """Reader r of dq's weight as MatMulNBits over the codes' bytes (zero point 8, MatMulNBits' default, or the
+    float `zero_points`; A of any rank) plus Gemm's C, into `out` (default r's output)."""
     block = _attrs(dq)["block_size"]
     n, k = (int(d) for d in codes.dims)                 # uint4 [N, K]: retyped after its readers (as_bytes)
-    y = r.output[0] if r.op_type == "FusedMatMul" or len(r.input) < 3 or not r.input[2] else p + "y"
-    nodes = [helper.make_node("MatMulNBits", [r.input[0], codes.name, flat], [y], name=p + "y", domain="com.microsoft",
-                              K=k, N=n, bits=4, block_size=block, accuracy_level=0)]
-    if y != r.output[0]:
-        nodes.append(helper.make_node("Add", [y, r.input[2]], [r.output[0]], name=p + "y_bias"))
+    out = out or r.output[0]
+    y = out if r.op_type == "FusedMatMul" or len(r.input) < 3 or not r.input[2] else p + "y"
+    nodes = [helper.make_node("MatMulNBits", [r.input[0], codes.name, flat, *([zero_points] if zero_points else [])],
+                              [y], name=p + "y", domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
+                              accuracy_level=0)]
+    if y != out:
+        nodes.append(helper.make_node("Add", [y, r.input[2]], [out], name=p + "y_bias"))
     return nodes
+
+
+def _offset_add(g: onnx.GraphProto, dq: onnx.NodeProto, y: str, produced_by: dict, read_by) -> tuple[int, str] | None:
+    """(index of the Add, O + 8 S) when reader output y feeds only the offset term's Add y + blocksum(X) (O + 8 S)^T
+    (quantize._add_offset_term) of dq's own gated scales S, else None."""
+    if len(read_by[y]) != 1 or g.node[read_by[y][0]].op_type != "Add":
+        return None
+    j = read_by[y][0]
+    other = [x for x in g.node[j].input if x != y]
+    m = produced_by.get(other[0]) if len(other) == 1 else None
+    if m is None or m.op_type not in ("MatMul", "FusedMatMul", "Gemm") or len(m.input) != 2:
+        return None
+    o8, trans_b = m.input[1], _attrs(m).get("transB", 0)
+    t = produced_by.get(o8)
+    if not trans_b and t is not None and t.op_type == "Transpose" and _attrs(t).get("perm") == [1, 0]:
+        o8, trans_b = t.input[0], 1
+    a = produced_by.get(o8)
+    if not trans_b or a is None or a.op_type != "Add":
+        return None
+    s8 = [produced_by.get(x) for x in a.input]
+    if not any(x is not None and x.op_type == "Mul" and dq.input[1] in x.input for x in s8):
+        return None
+    return j, o8
+
+
+def _zero_point_nodes(g, have, dq: onnx.NodeProto, o8: str, p: str) -> list[onnx.NodeProto]:
+    """p + "zp": MatMulNBits' float zero points [N * K / block] of a weight C S + O, from O + 8 S and S (dq's gated
+    scales): (C - zp) S = C S + O for zp = -O / S = 8 - (O + 8 S) / S. Every scale must be non-zero (_nonzero)."""
+    make = helper.make_node
+    return [make("Div", [o8, dq.input[1]], [p + "o_s"], name=p + "o_s"),
+            make("Sub", [_const(g, have, "eight", 8.0, np.float32), p + "o_s"], [p + "zp2"], name=p + "zp2"),
+            make("Reshape", [p + "zp2", _const(g, have, "flat", [-1], np.int64)], [p + "zp"], name=p + "zp")]
+
+
+def _nonzero_scales(codes: str, inits: dict, base_dir: str) -> bool:
+    """Whether every block scale of the weight with these codes is non-zero (a GGUF Q4_K sub-block may have scale 0:
+    its values are its offset alone, which no zero point can give)."""
+    from .quantize import CODES, SCALE, read_tensor
+
+    scale = inits.get(codes.removesuffix(CODES) + SCALE) if codes.endswith(CODES) else None
+    return scale is not None and bool(np.all(read_tensor(scale, base_dir) != 0))
 
 
 def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int:
@@ -237,6 +292,7 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
             by_codes.setdefault(n.input[0], []).append(j)
     have = set(inits)
     read_by = readers(g)
+    produced_by = {o: n for n in g.node for o in n.output}
     bwd = backward_nodes(g, read_by)
     replace: dict[int, list[onnx.NodeProto]] = {}
     count = 0
@@ -257,8 +313,19 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
                 flat = p + "s_flat"
                 replace[j] = [helper.make_node("Reshape", [n.input[1], _const(g, have, "flat", [-1], np.int64)],
                                                [flat], name=flat)]
+                adds = {r: _offset_add(g, n, g.node[r].output[0], produced_by, read_by) for r in read_by[w]}
+                fold = (all(adds.values()) and len({o8 for _, o8 in adds.values()}) == 1
+                        and _nonzero_scales(name, inits, base_dir))
+                first = min(add for add, _ in adds.values()) if fold else None
                 for r in read_by[w]:
-                    replace[r] = _nbits_nodes(n, g.node[r], inits[name], flat, f"{p}{r}/")
+                    if fold:        # at the Add's place, where O + 8 S exists (the reader's output fed it alone)
+                        add = adds[r][0]
+                        replace[r] = []
+                        replace[add] = ((_zero_point_nodes(g, have, n, adds[r][1], p) if add == first else []) +
+                                        _nbits_nodes(n, g.node[r], inits[name], flat, f"{p}{r}/", p + "zp",
+                                                     g.node[add].output[0]))
+                    else:
+                        replace[r] = _nbits_nodes(n, g.node[r], inits[name], flat, f"{p}{r}/")
             elif len(read_by[w]) == 1 and _splittable(g.node[read_by[w][0]], w):
                 replace[j] = []
                 r = read_by[w][0]

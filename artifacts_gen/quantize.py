@@ -33,7 +33,7 @@ forward pass to the backward pass. At most a few float32 weights exist at any ti
 
 Speed. ORT 1.19's DequantizeLinear is single-threaded; the finished training and eval graphs' dequantizations of
 the linear weights are rewritten into faster ops of the same values by fast_dequant.py (int8: Cast and Mul; uint4:
-MatMulNBits forward, bit operations backward).
+MatMulNBits forward, its float zero points taking the forward's offset term; bit operations backward).
 """
 from __future__ import annotations
 

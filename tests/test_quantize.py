@@ -259,18 +259,19 @@ def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> 
     """A 4-bit [out, in] weight is read by MatMulNBits (the forward pass: no float32 copy), or its float32 copy is
     its dequantization's output, read by matmuls as it is (B transposed; the backward pass): no Transpose (ORT
     1.19's optimizer breaks a Transpose of a uint4 DQ) and no offset added to the whole weight (the offset term
-    multiplies the activation's block sums instead); and the codes are centred, (C - 8) S (MatMulNBits' default
-    zero point is 8)."""
+    multiplies the activation's block sums instead, or MatMulNBits takes the offsets as float zero points, computed
+    from the gated offsets); and the codes are centred, (C - 8) S (MatMulNBits' default zero point is 8)."""
     from artifacts_gen.recompute import readers
 
     read_by = readers(g)
     by_name = {n.name: n for n in g.node}
+    inits = {i.name for i in g.initializer}
     codes = {w.codes for w in weights if w.codes_transposed}
     reads = [(n, c) for _, n, c in weight_reads(g) if c in codes]
     assert {c for _, c in reads} == codes
     for n, _ in reads:
         if n.op_type == "MatMulNBits":
-            assert len(n.input) == 3, n.name                          # no zero points: 8
+            assert len(n.input) == 3 or n.input[3] not in inits, n.name     # 8, or computed float zero points
             continue
         zero_point = (by_name.get(n.name[:-1] + "f") or by_name.get(n.name[:-1] + "lo/f")   # fast_dequant's
                       or n)                                                                # per-tensor DQ
