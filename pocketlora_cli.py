@@ -52,11 +52,13 @@ def _add_gen(sub) -> None:
                    "exactly); embedding and LM head int8 per row. Dequantized just in time while training. Default: "
                    "keep for a GGUF source, none otherwise")
     p.add_argument("--quant-block", type=int, default=32, help="int4's rows per scale block (default 32)")
-    p.add_argument("--quant-calib", default=None, metavar="TEXT_FILE",
-                   help="int4 only: choose the codes with GPTQ on this calibration text (plain UTF-8, like the data "
-                        "the model will see), run through the source model in PyTorch. Real Gemma3-270M: +1.9%% "
-                        "perplexity instead of +18.1%% (docs/STATUS.md)")
-    p.add_argument("--quant-calib-tokens", type=int, default=None, help="calibration tokens read (default 16384)")
+    p.add_argument("--quant-calib", default=None, metavar="self|TEXT_FILE|none",
+                   help="int4 only: how its codes are chosen. self (default): GPTQ on 8192 tokens the source model "
+                        "samples itself, no data needed; TEXT_FILE: GPTQ on this text (plain UTF-8, like the data the "
+                        "model will see); none: each block rounded to its nearest grid. Real Gemma3-270M perplexity "
+                        "vs float32: docs/STATUS.md")
+    p.add_argument("--quant-calib-tokens", type=int, default=None,
+                   help="calibration tokens (default 8192 sampled, or up to 16384 read from TEXT_FILE)")
     p.add_argument("--seed", type=int, default=0, help="seed of PEFT's LoRA initialisation")
     p.add_argument("--force", action="store_true", help="replace an existing bundle in --out")
     p.set_defaults(func=_gen)

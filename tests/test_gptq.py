@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from artifacts_gen import quantize
-from artifacts_gen.gptq import calibration_ids, gptq_int4, input_hessians
+from artifacts_gen.gptq import calibration_ids, gptq_int4, input_hessians, sampled_ids
 from ort_trainer.bundle import open_bundle
 from tests.bundle_helpers import (
     SEQ_LEN, build_tiny_bundle, dequantized_here, eval_initializers, peft_reference, with_dequantized_base,
@@ -77,17 +77,20 @@ def test_hessians_are_the_second_moments_of_each_layers_input(tmp_path):
     np.testing.assert_allclose(h["transformer.h.0.attn.c_attn.weight"], x.T @ x / len(x), rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    ckpt, path = build_tiny_bundle("gpt2", tmp_path_factory.mktemp("gpt2-calib"), quant="int4", quant_block=16,
-                                   quant_calib=CALIB, quant_calib_tokens=1024)
+@pytest.fixture(scope="module", params=["default", "file"])
+def calibrated(request, tmp_path_factory):
+    """int4's default (GPTQ on windows sampled from the model itself) and GPTQ on a text file."""
+    calib = {"quant_calib": CALIB, "quant_calib_tokens": 1024} if request.param == "file" else {"quant_calib": None}
+    ckpt, path = build_tiny_bundle("gpt2", tmp_path_factory.mktemp(f"gpt2-calib-{request.param}"), quant="int4",
+                                   quant_block=16, **calib)
     return ckpt, open_bundle(path)
 
 
 def test_a_calibrated_bundle_records_it_and_every_int4_weight_is_gptqs(calibrated):
     ckpt, bundle = calibrated
     q = bundle.manifest.quant
-    assert q.mode == "int4" and q.calibration.startswith("GPTQ on ") and "train.txt" in q.calibration
+    assert q.mode == "int4" and q.calibration.startswith("GPTQ on ")
+    assert ("train.txt" in q.calibration) != ("sampled from the model itself" in q.calibration), q.calibration
     source = {n: p.detach().numpy() for n, p in peft_reference(ckpt, bundle.manifest).base_model.model.named_parameters()}
     source = {n.replace(".base_layer", ""): v for n, v in source.items()}
     deq, inits = dequantized_here(bundle), eval_initializers(bundle)
@@ -106,3 +109,30 @@ def test_a_calibrated_bundle_records_it_and_every_int4_weight_is_gptqs(calibrate
 def test_a_calibrated_bundle_matches_peft_on_its_dequantized_weights(calibrated, seq):
     ckpt, bundle = calibrated
     assert_eval_matches_peft(bundle, with_dequantized_base(peft_reference(ckpt, bundle.manifest), bundle), seq)
+
+
+def test_sampled_windows_follow_the_models_own_distribution(tmp_path):
+    """int4's default calibration text: BOS-led windows drawn from the model's next-token distribution (temperature
+    1, the whole vocabulary). Its LM head is sharpened so that this differs from both greedy decoding and uniform
+    draws: the sampled tokens' mean probability under the model must be E_p[p] = sum p^2 (computed here by a
+    forward pass), not max p (greedy) nor 1 / V (uniform)."""
+    from tests.tiny_models import make_tiny_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = make_tiny_checkpoint("gpt2", tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)                    # tied: the embedding too; both only sharpen the softmax
+    state = torch.random.get_rng_state()
+    ids = sampled_ids(model, tok, 16, 256 * 16)
+    assert torch.equal(torch.random.get_rng_state(), state)        # the caller's generator is left alone
+    assert ids.shape == (256, 16) and (ids[:, 0] == tok.bos_token_id).all()
+    assert np.array_equal(ids, sampled_ids(model, tok, 16, 256 * 16))                 # seeded: the same windows
+    assert not np.array_equal(ids, sampled_ids(model, tok, 16, 256 * 16, seed=1))
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.from_numpy(ids)).logits[:, :-1].double(), -1)
+    drawn = p.gather(-1, torch.from_numpy(ids[:, 1:, None])).mean().item()
+    expected, greedy = (p * p).sum(-1).mean().item(), p.max(-1).values.mean().item()
+    assert greedy > 3 * expected and expected > 100 / p.shape[-1]             # the three hypotheses differ
+    assert abs(drawn - expected) < 0.25 * expected, (drawn, expected, greedy)

@@ -298,6 +298,7 @@ def test_a_manifest_without_quant_loads_as_unquantized(built, tmp_path):
     (["--quant", "int4", "--quant-block", "7"], "--quant-block 7: use an even number"),
     (["--quant", "int8", "--quant-calib", "README.md"], "--quant-calib chooses int4's codes (GPTQ); add --quant int4"),
     (["--quant", "int4", "--quant-calib", "no-such.txt"], "--quant-calib no-such.txt: no such file"),
+    (["--quant", "int4", "--quant-calib-tokens", "0"], "--quant-calib-tokens 0: use 1 or more"),
 ])
 def test_bad_quant_options_fail_in_one_line_before_anything_is_written(tmp_path, args, expect):
     out = tmp_path / "bundle"
