@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from bench import runs
+from bench._bench_worker import _source_hash
 from bench.children import run_child
 from bench.common import SHARED, log
 from bench.web_vs_native import _weight_bytes
@@ -49,16 +50,16 @@ GOALS = {"int8": 0.01, "int4": 0.10, "int4-plain": 0.10, "int4-calib": 0.10}
 
 
 def gen(mode: str, sub: Path) -> dict:
-    """The mode's bundle, built unless the workdir holds one built with the same flags."""
+    """The mode's bundle, built unless the workdir holds one built with the same flags by the same artifacts_gen."""
     out, flags = sub / f"gemma3-{mode}", FLAGS[mode]
-    stamp = out.with_suffix(".flags")
+    stamp, want = out.with_suffix(".flags"), json.dumps({"flags": flags, "artifacts_gen": _source_hash()})
     done = {"bundle": str(out)}
-    if not ((out / "manifest.json").is_file() and stamp.is_file() and stamp.read_text() == " ".join(flags)):
+    if not ((out / "manifest.json").is_file() and stamp.is_file() and stamp.read_text() == want):
         c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", *flags, "--seq-len",
                        "128"], sub / f"gen-{mode}.log", TIMEOUT_S)
         if c.code != 0:
             return {"error": c.failure()}
-        stamp.write_text(" ".join(flags))
+        stamp.write_text(want)
         done.update(gen_s=round(c.wall, 1), gen_peak_rss=c.peak_rss())
     calibration = json.loads((out / "manifest.json").read_text()).get("quant", {}).get("calibration", "")
     return {**done, "gen_flags": flags, "weight_bytes": _weight_bytes(out), "calibration": calibration}
