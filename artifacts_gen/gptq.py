@@ -133,11 +133,12 @@ def calibrate(model, tokenizer, source: str | Path, seq_len: int, max_tokens: in
     windows the model samples itself (`source` SELF_CALIB; SAMPLED_TOKENS by default)."""
     if str(source) == SELF_CALIB:
         ids = sampled_ids(model, tokenizer, seq_len, SAMPLED_TOKENS if max_tokens is None else max_tokens)
-        what = f"tokens sampled from the model itself (seed {SAMPLE_SEED})"
+        what, seed = "tokens sampled from the model itself", f"seed {SAMPLE_SEED}; "
     else:
         ids = calibration_ids(tokenizer, source, seq_len, CALIB_TOKENS if max_tokens is None else max_tokens)
-        what = f"tokens of {Path(source).name}"
-    return Calibration(input_hessians(model, ids), f"GPTQ on {ids.size:,} {what} ({len(ids)} windows of {ids.shape[1]})")
+        what, seed = f"tokens of {Path(source).name}", ""
+    return Calibration(input_hessians(model, ids),
+                       f"GPTQ on {ids.size:,} {what} ({seed}{len(ids)} windows of {ids.shape[1]})")
 
 
 def gptq_int4(w: np.ndarray, hessian: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
