@@ -192,3 +192,58 @@ def with_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
         adam.output.append(name)
         model.graph.output.append(onnx.helper.make_value_info(name, seq))
     return model
+
+
+OFFSET_K, OFFSET_N, OFFSET_BLOCK = 64, 24, 16
+
+
+def offset_term_model(seed: int) -> onnx.ModelProto:
+    """Two int4 weights through quantize_forward (offset term, transposes fused): A [k, n] read by m1(x1) and
+    m3(x2), B by m2(x2), in that order (x1 [b, k], x2 [b, t, k]; outputs y1, y2, y3)."""
+    from onnx import TensorProto, helper
+
+    from artifacts_gen import quantize
+
+    k, n = OFFSET_K, OFFSET_N
+    rng = np.random.default_rng(seed)
+    wa, wb = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
+    x1 = helper.make_tensor_value_info("x1", TensorProto.FLOAT, ["b", k])
+    x2 = helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["b", "t", k])
+    outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ("y1", "y2", "y3")]
+    nodes = [helper.make_node("MatMul", ["x1", "A"], ["y1"], name="m1"),
+             helper.make_node("MatMul", ["x2", "B"], ["y2"], name="m2"),
+             helper.make_node("MatMul", ["x2", "A"], ["y3"], name="m3")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x1, x2], outs, [numpy_helper.from_array(wa, "A"),
+                                                                            numpy_helper.from_array(wb, "B")]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model, entries = quantize.quantize_forward(model, "int4", OFFSET_BLOCK, set(), ".T")
+    assert {e.onnx_name for e in entries} == {"A", "B"}
+    quantize.fuse_transposes(model)
+    return model
+
+
+def offset_weight_here(model: onnx.ModelProto, name: str) -> np.ndarray:
+    """Weight `name` [k, n] in float64, dequantized here from its stored [n, k] codes and [n, k / block] scales and
+    offsets: W^T[n, k] = C[n, k] S[n, k // block] + O[n, k // block]."""
+    from artifacts_gen import quantize
+
+    inits = {i.name: i for i in model.graph.initializer}
+    n, block = OFFSET_N, OFFSET_BLOCK
+    c = quantize.read_tensor(inits[name + quantize.CODES]).astype(np.float64)
+    s = numpy_helper.to_array(inits[name + quantize.SCALE]).astype(np.float64).reshape(n, -1)
+    o = numpy_helper.to_array(inits[name + quantize.OFFSET]).astype(np.float64).reshape(n, -1)
+    return (c * np.repeat(s, block, axis=1) + np.repeat(o, block, axis=1)).T
+
+
+def run_offset_term_model(model: onnx.ModelProto, w: dict[str, np.ndarray], seed: int
+                          ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(ORT's y1, y2, y3; numpy's x1 @ A, x2 @ B, x2 @ A on the weights `w` (offset_weight_here))."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(seed)
+    a1 = rng.standard_normal((3, OFFSET_K)).astype(np.float32)
+    a2 = rng.standard_normal((2, 5, OFFSET_K)).astype(np.float32)
+    want = (a1 @ w["A"], a2 @ w["B"], a2 @ w["A"])
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        ["y1", "y2", "y3"], {"x1": a1, "x2": a2})
+    return got, list(want)

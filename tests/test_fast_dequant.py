@@ -126,47 +126,22 @@ def test_int4_offsets_fold_into_matmulnbits_zero_points(zero_scale):
     points -O / S, for every reader of the weight: weight A read by m1(x1) and m3(x2), B by m2(x2). A weight with a
     zero scale (a GGUF Q4_K sub-block can have one: its values are its offset alone) keeps the offset term. Either
     way ORT's outputs equal numpy's x @ W on weights dequantized here (W^T = C S + O per block)."""
-    import onnxruntime as ort
-
     from artifacts_gen import quantize
+    from tests.bundle_helpers import offset_term_model, offset_weight_here, run_offset_term_model
 
-    k, n, block = 64, 24, 16
-    rng = np.random.default_rng(1)
-    wa, wb = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
-    x1 = helper.make_tensor_value_info("x1", TensorProto.FLOAT, ["b", k])
-    x2 = helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["b", "t", k])
-    outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ("y1", "y2", "y3")]
-    nodes = [helper.make_node("MatMul", ["x1", "A"], ["y1"], name="m1"),
-             helper.make_node("MatMul", ["x2", "B"], ["y2"], name="m2"),
-             helper.make_node("MatMul", ["x2", "A"], ["y3"], name="m3")]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x1, x2], outs, [numpy_helper.from_array(wa, "A"),
-                                                                            numpy_helper.from_array(wb, "B")]),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    model, _ = quantize.quantize_forward(model, "int4", block, set(), ".T")
-    quantize.fuse_transposes(model)
-    inits = {i.name: i for i in model.graph.initializer}
+    model = offset_term_model(1)
     if zero_scale:
-        s = numpy_helper.to_array(inits["A" + quantize.SCALE]).copy()
+        init = next(i for i in model.graph.initializer if i.name == "A" + quantize.SCALE)
+        s = numpy_helper.to_array(init).copy()
         s.flat[3] = 0
-        inits["A" + quantize.SCALE].CopyFrom(numpy_helper.from_array(s, "A" + quantize.SCALE))
-
-    def w(name):                                  # [k, n], from the stored [n, k] codes and [n, k / block] groups
-        c = quantize.read_tensor(inits[name + quantize.CODES]).astype(np.float64)
-        s = numpy_helper.to_array(inits[name + quantize.SCALE]).astype(np.float64).reshape(n, -1)
-        o = numpy_helper.to_array(inits[name + quantize.OFFSET]).astype(np.float64).reshape(n, -1)
-        return (c * np.repeat(s, block, axis=1) + np.repeat(o, block, axis=1)).T
-
-    want_w = {x: w(x) for x in "AB"}
+        init.CopyFrom(numpy_helper.from_array(s, init.name))
+    w = {x: offset_weight_here(model, x) for x in "AB"}         # before the rewrite retypes the codes
     assert fast_dequant.rewrite(model, {"A" + quantize.CODES, "B" + quantize.CODES}) == 2
     model.ir_version = 10
     onnx.checker.check_model(model)
     mnb = {n.input[1][0]: n for n in model.graph.node if n.op_type == "MatMulNBits"}
-    folded = {c: len(n.input) == 4 for c, n in mnb.items()}
-    assert folded == {"A": not zero_scale, "B": True}
+    assert {c: len(n.input) == 4 for c, n in mnb.items()} == {"A": not zero_scale, "B": True}
     offset_terms = [n for n in model.graph.node if n.input and n.input[0].endswith("/sums")]
     assert bool(offset_terms) == zero_scale              # the block sums survive only for the unfolded weight
-    a1, a2 = rng.standard_normal((3, k)).astype(np.float32), rng.standard_normal((2, 5, k)).astype(np.float32)
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        ["y1", "y2", "y3"], {"x1": a1, "x2": a2})
-    for y, want in zip(got, (a1 @ want_w["A"], a2 @ want_w["B"], a2 @ want_w["A"])):
+    for y, want in zip(*run_offset_term_model(model, w, 1)):
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,8 @@ from artifacts_gen import quantize
 from ort_trainer import manifest as mf
 from ort_trainer.bundle import open_bundle
 from tests.bundle_helpers import (
-    build_tiny_bundle, dequantizations, dequantized_here, eval_initializers, is_vocab, peft_reference,
-    weight_reads, with_dequantized_base,
+    build_tiny_bundle, dequantizations, dequantized_here, eval_initializers, is_vocab, offset_term_model,
+    offset_weight_here, peft_reference, run_offset_term_model, weight_reads, with_dequantized_base,
 )
 from tests.test_artifacts_gen import (
     assert_eval_matches_peft, assert_lora_grads_match_autograd, ten_adamw_steps,
@@ -315,36 +315,9 @@ def test_offset_term_with_shared_activations_and_a_weight_read_twice():
     order, so x2's block sums must come before m2 although A reaches x2 first. The graph stays topologically sorted
     (onnx.checker), and ORT's outputs equal numpy's x @ W on the weights dequantized here from codes, scales and
     offsets (W^T[n, k] = C[n, k] S[n, k // block] + O[n, k // block])."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    k, n, block = 64, 24, 16
-    rng = np.random.default_rng(0)
-    wa, wb = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
-    x1 = helper.make_tensor_value_info("x1", TensorProto.FLOAT, ["b", k])
-    x2 = helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["b", "t", k])
-    outs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, None) for y in ("y1", "y2", "y3")]
-    nodes = [helper.make_node("MatMul", ["x1", "A"], ["y1"], name="m1"),
-             helper.make_node("MatMul", ["x2", "B"], ["y2"], name="m2"),
-             helper.make_node("MatMul", ["x2", "A"], ["y3"], name="m3")]
-    model = helper.make_model(helper.make_graph(nodes, "g", [x1, x2], outs, [numpy_helper.from_array(wa, "A"),
-                                                                            numpy_helper.from_array(wb, "B")]),
-                              opset_imports=[helper.make_opsetid("", 17)])
-    model, entries = quantize.quantize_forward(model, "int4", block, set(), ".T")
-    assert {e.onnx_name for e in entries} == {"A", "B"}
-    quantize.fuse_transposes(model)
+    model = offset_term_model(0)
     model.ir_version = 10
     onnx.checker.check_model(model)
-    inits = {i.name: i for i in model.graph.initializer}
-
-    def w(name):                                  # [k, n], from the stored [n, k] codes and [n, k / block] groups
-        c = quantize.read_tensor(inits[name + quantize.CODES]).astype(np.float64)
-        s = numpy_helper.to_array(inits[name + quantize.SCALE]).astype(np.float64).reshape(n, -1)
-        o = numpy_helper.to_array(inits[name + quantize.OFFSET]).astype(np.float64).reshape(n, -1)
-        return (c * np.repeat(s, block, axis=1) + np.repeat(o, block, axis=1)).T
-
-    a1, a2 = rng.standard_normal((3, k)).astype(np.float32), rng.standard_normal((2, 5, k)).astype(np.float32)
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        ["y1", "y2", "y3"], {"x1": a1, "x2": a2})
-    for y, want in zip(got, (a1 @ w("A"), a2 @ w("B"), a2 @ w("A"))):
+    w = {x: offset_weight_here(model, x) for x in "AB"}
+    for y, want in zip(*run_offset_term_model(model, w, 0)):
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
