@@ -122,7 +122,8 @@ def sampled_ids(model, tokenizer, seq_len: int, max_tokens: int, seed: int = SAM
         for i in range(0, n, SAMPLE_BATCH):
             b = min(SAMPLE_BATCH, n - i)
             ids = model.generate(input_ids=torch.full((b, 1), start), attention_mask=torch.ones(b, 1, dtype=torch.long),
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=seq_len - 1,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                                 no_repeat_ngram_size=0, max_new_tokens=seq_len - 1,
                                  min_new_tokens=seq_len - 1, pad_token_id=int(start == 0))   # never padded: any other id
             out.append(ids.numpy().astype(np.int64))
     return np.concatenate(out)
@@ -131,6 +132,9 @@ def sampled_ids(model, tokenizer, seq_len: int, max_tokens: int, seed: int = SAM
 def calibrate(model, tokenizer, source: str | Path, seq_len: int, max_tokens: int | None = None) -> Calibration:
     """GPTQ's Hessians from a calibration text (`source` a path; up to CALIB_TOKENS tokens by default), or from
     windows the model samples itself (`source` SELF_CALIB; SAMPLED_TOKENS by default)."""
+    if seq_len < 2:
+        raise QuantError(f"--seq-len {seq_len}: int4's calibration needs windows of 2 or more tokens; use a longer "
+                         "--seq-len, or --quant-calib none.")
     if str(source) == SELF_CALIB:
         ids = sampled_ids(model, tokenizer, seq_len, SAMPLED_TOKENS if max_tokens is None else max_tokens)
         what, seed = "tokens sampled from the model itself", f"seed {SAMPLE_SEED}; "
