@@ -73,7 +73,7 @@ QUICK_OVERRIDES = {
 # The GPT-2 fallback variant (VARIANT_SUFFIX, see bench/throughput/config.py): the real config but n_positions 512.
 
 
-def _source_hash() -> str:
+def artifacts_gen_hash() -> str:
     import hashlib
 
     h = hashlib.sha256()
@@ -108,7 +108,7 @@ def setup(spec: dict) -> dict:
     bundle = sub / f"{name}-bundle"
     stamp_file = sub / f"{name}-bundle.stamp"
     stamp = json.dumps({"ckpt": (sub / f"{name}-ckpt.stamp").read_text(), "lora": spec["lora"],
-                        "seq_len": spec["seq_len"], "artifacts_gen": _source_hash()})
+                        "seq_len": spec["seq_len"], "artifacts_gen": artifacts_gen_hash()})
     built = False
     build_s = 0.0
     if not (stamp_file.is_file() and stamp_file.read_text() == stamp and (bundle / "manifest.json").is_file()):

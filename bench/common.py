@@ -29,6 +29,9 @@ MODELS = {
 SHAPES = tuple(MODELS)
 LORA = dict(r=8, alpha=16, targets="attn")            # what every bench trains: the generator's defaults
 SEQ_LEN = 128
+# the speed and memory benches build int4 with plain rounding: the codes' values change neither, and int4's default
+# (GPTQ on text the model samples itself) would add minutes to each build
+SPEED_INT4_CODES = ["--quant-calib", "none"]
 
 
 def utc_now() -> str:

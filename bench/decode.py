@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench import runs
 from bench.children import THREADS, run_child
-from bench.common import log
+from bench.common import SPEED_INT4_CODES, log
 from bench.decode_render import REAL, REAL_SIDES, SIDES, render_report
 from bench.throughput.phases import setup_shape
 from bench.web_vs_native import _weight_bytes, variant_bundle
@@ -60,8 +60,7 @@ def _bundles(name: str, sub: Path, quick: bool) -> dict:
     if not _has_decoder(fp32):
         fp32 = variant_bundle(name, sub, "decoder", [])
     return {"ckpt": str(sub / f"{name}-ckpt"), "bundle": str(fp32), "ours-fp32": str(fp32),
-            "ours-int4": str(variant_bundle(name, sub, "int4", ["--quant", "int4", "--quant-calib", "none"]))}   # the
-    # codes' values do not change the speed
+            "ours-int4": str(variant_bundle(name, sub, "int4", ["--quant", "int4", *SPEED_INT4_CODES]))}
 
 
 def _real_bundle(sub: Path) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from android_runner.loop import RUN_CONFIG, SUMMARY
 from bench import runs
-from bench.common import log
+from bench.common import SPEED_INT4_CODES, log
 from bench.quant_base_render import MODES, render_report
 from bench.throughput.phases import prepare_data, setup_shape
 from bench.web_vs_native import _weight_bytes, run_one, variant_bundle
@@ -82,8 +82,8 @@ def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
     out = {"none": setup["bundle"]}
     for mode in MODES[1:]:
         log(f"{name}: gen --quant {mode}")
-        plain = ["--quant-calib", "none"] if mode == "int4" else []    # codes by rounding: speed and memory do not
-        out[mode] = str(variant_bundle(name, sub, mode, ["--quant", mode, *plain]))   # depend on them (gen is faster)
+        codes = SPEED_INT4_CODES if mode == "int4" else []
+        out[mode] = str(variant_bundle(name, sub, mode, ["--quant", mode, *codes]))
     return out
 
 

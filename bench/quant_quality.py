@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from bench import runs
-from bench._bench_worker import _source_hash
+from bench._bench_worker import artifacts_gen_hash
 from bench.children import run_child
 from bench.common import SHARED, log
 from bench.web_vs_native import _weight_bytes
@@ -52,7 +52,7 @@ GOALS = {"int8": 0.01, "int4": 0.10, "int4-plain": 0.10, "int4-calib": 0.10}
 def gen(mode: str, sub: Path) -> dict:
     """The mode's bundle, built unless the workdir holds one built with the same flags by the same artifacts_gen."""
     out, flags = sub / f"gemma3-{mode}", FLAGS[mode]
-    stamp, want = out.with_suffix(".flags"), json.dumps({"flags": flags, "artifacts_gen": _source_hash()})
+    stamp, want = out.with_suffix(".flags"), json.dumps({"flags": flags, "artifacts_gen": artifacts_gen_hash()})
     done = {"bundle": str(out)}
     if not ((out / "manifest.json").is_file() and stamp.is_file() and stamp.read_text() == want):
         c = run_child(["pocketlora_cli", "gen", "--model", MODEL, "--out", str(out), "--force", *flags, "--seq-len",

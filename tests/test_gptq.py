@@ -136,3 +136,11 @@ def test_sampled_windows_follow_the_models_own_distribution(tmp_path):
     expected, greedy = (p * p).sum(-1).mean().item(), p.max(-1).values.mean().item()
     assert greedy > 3 * expected and expected > 100 / p.shape[-1]             # the three hypotheses differ
     assert abs(drawn - expected) < 0.25 * expected, (drawn, expected, greedy)
+
+
+def test_calibration_windows_need_two_tokens():
+    """--seq-len 1 leaves nothing to sample or predict: one line naming the fix, before any model is run."""
+    from artifacts_gen.gptq import calibrate
+
+    with pytest.raises(quantize.QuantError, match="--seq-len 1: .* --quant-calib none"):
+        calibrate(None, None, quantize.SELF_CALIB, 1)
