@@ -75,7 +75,8 @@ def test_rewritten_dequantization_is_bit_identical(case):
     before = _run(model, np.ones((3, K), np.float32))
     assert fast_dequant.rewrite(model, {"q"}) == 1
     ops = {n.op_type for n in model.graph.node}
-    assert "DequantizeLinear" not in ops or "BitwiseAnd" in ops           # uint4: only the per-tensor one
+    left = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]      # uint4: per row of computed codes
+    assert all(n.input[0] != "q" and not any(a.name == "block_size" for a in n.attribute) for n in left), ops
     after = _run(model, np.ones((3, K), np.float32))
     w = want.astype(np.float32)
     assert np.array_equal(after.view(np.uint32), w.view(np.uint32)), case
