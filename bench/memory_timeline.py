@@ -29,7 +29,8 @@ from ort_trainer.ort_training import CheckpointState, Module
 from ort_trainer.session import RuntimeOptions
 
 ALIASES = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
-BYTES = {"float": 4, "int64": 8, "int32": 4, "bool": 1, "float16": 2, "double": 8}
+BYTES = {"float": 4, "int64": 8, "int32": 4, "bool": 1, "float16": 2, "double": 8, "int8": 1, "uint8": 1, "int16": 2,
+         "uint16": 2, "uint32": 4, "uint64": 8}
 
 
 def profile_step(bundle: Path, micro: int, workload: str, work: Path, seq: int = 128) -> tuple[list, onnx.GraphProto]:
