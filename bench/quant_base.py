@@ -13,7 +13,8 @@ Bundle weights: the shard files (weights-*.bin). Random weights say nothing abou
 
 Then per shape the int4 bundle trains once more with `--memory-budget` set to its peak-RSS goal: the runner measures
 micro-batches of 1 and 2 sequences and picks the largest split of the effective batch 8 predicted to fit; reported:
-that split, its peak RSS and tok/s (the same measurement as above). Last, Qwen2.5-0.5B int4 trains with --memory low
+that split, its peak RSS and tok/s (the same measurement as above), and float32's tok/s at that split (a run of
+its own, for the ratio at the same split). Last, Qwen2.5-0.5B int4 trains with --memory low
 at 1x8 inside a cgroup-v1 memory cgroup capped at 0.6 GB.
     python -m bench.quant_base --rerender [--run JSON]
 
@@ -132,6 +133,11 @@ def main(argv=None) -> int:
                                              sub / f"{name}-budget-run")
             log("   " + (f"split {r.get('split')}, {r['tok_s']:.1f} tok/s, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB"
                          if "error" not in r else f"FAILED: {r['error'][-300:]}"))
+            if r.get("split") and r["split"] != [micro, accum]:       # float32 at the same split, for its ratio
+                f = r["none_at_split"] = run_one("native", b["none"], data, *r["split"], args.steps,
+                                                 sub / f"{name}-none-split-run")
+                log("   " + (f"none at {r['split']}: {f['tok_s']:.1f} tok/s" if "error" not in f
+                             else f"none at {r['split']}: FAILED: {f['error'][-300:]}"))
         if name == LOWMEM[0] and not args.no_lowmem:
             log(f"{name}: {LOWMEM[1]} under --memory low, capped at {LOWMEM[2] / 1e9:.1f} GB")
             payload["lowmem"] = {"shape": name, "mode": LOWMEM[1], **lowmem(b[LOWMEM[1]], data, sub, args.steps)}

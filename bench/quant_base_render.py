@@ -17,6 +17,17 @@ def _verdict(value, goal) -> str:
     return "met" if value <= goal else "MISSED"
 
 
+def _same_split(r: dict, target: float) -> str:
+    """int4's tok/s under the budget against float32's at the same split (its own run), with the verdict."""
+    f = r.get("none_at_split")
+    if f is None:
+        return "— (the fixed split)"
+    if "error" in f:
+        return "float32 FAILED"
+    ratio = r["tok_s"] / f["tok_s"]
+    return f"{ratio:.2f}x of {f['tok_s']:.1f}: {'met' if ratio >= target else 'MISSED'}"
+
+
 def render_report(p: dict, run: str) -> str:
     lines = runs.header(TITLE, run, "bench/quant_base.py", p["machine"], p["command"], {"raw results": f"{run}.json"})
     lines += [
@@ -53,6 +64,7 @@ def render_report(p: dict, run: str) -> str:
     budget = {n: e["budget"] for n, e in p["shapes"].items() if "budget" in e}
     if budget:
         new_probe = any(r.get("memory_fit") for r in budget.values())     # runs since 2026-12-07
+        same = any("none_at_split" in r for r in budget.values())          # runs since 2026-12-07 12:00
         lines += ["", "## int4 under --memory-budget at the peak-RSS goal", "",
                   "The int4 bundle trained once more at effective batch 8 with `--memory-budget` set to the goal: the "
                   + ("runner measures a micro-batch of 1 (and of 2 only if bounded under the budget) and keeps the "
@@ -60,8 +72,9 @@ def render_report(p: dict, run: str) -> str:
                      "is to none at the fixed split above." if new_probe else
                      "runner measures micro-batches of 1 and 2 and keeps the largest split predicted to fit."), "",
                   "| shape | budget MiB | split chosen | peak RSS GB | goal | tok/s | "
-                  + ("vs none (fixed split) | probe |" if new_probe else "vs none at its split |"),
-                  "|---|---:|---|---:|---|---:|---:|" + ("---|" if new_probe else "")]
+                  + ("vs none (fixed split) | probe |" if new_probe else "vs none at its split |")
+                  + (" vs none at this split |" if same else ""),
+                  "|---|---:|---|---:|---|---:|---:|" + ("---|" if new_probe else "") + ("---:|" if same else "")]
         for name, r in budget.items():
             goal = (p["shapes"][name].get("goals") or [None, None])[1]
             base = p["shapes"][name]["modes"]["none"]["tok_s_median"]
@@ -77,7 +90,7 @@ def render_report(p: dict, run: str) -> str:
                 probe = " " + " / ".join(f"{meas[k]:,.0f}" if k in meas else "not run" for k in ("1", "2")) + " |"
             lines.append(f"| {name} | {r['budget_mib']:,} | {split} | {_gb(r['peak_rss'])} | "
                          f"<= {goal / 1e9:.2f}: {_verdict(r['peak_rss'], goal)} | {r['tok_s']:.1f} | "
-                         f"{ratio} |{probe}")
+                         f"{ratio} |{probe}" + (f" {_same_split(r, p['target_ratio'])} |" if same else ""))
     if "lowmem" in p:
         r = p["lowmem"]
         what = (f"FAILED (exit {r.get('exit')}): {(r['error'].splitlines() or ['?'])[-1][:200]}" if "error" in r else
