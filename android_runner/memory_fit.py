@@ -6,6 +6,7 @@ backward pass. Peak RSS grows linearly with the sequences of a micro-batch (benc
 shapes: e.g. Qwen2.5-0.5B 2,293 / 2,515 / 2,963 / 3,829 MiB at 1 / 2 / 4 / 8 sequences, +~110 MiB
 each), so two measured forward/backward passes predict the rest:
 
+0. save a checkpoint of the session to a scratch file (deleted), from a reset peak: what the save adds;
 1. run a worst-case micro-batch of 1 sequence (every position a real, labelled token, at the bundle's
    seq-len) from a reset peak (VmHWM); then one of 2 sequences, but only if even the first pass's peak plus
    all it added fits the budget (so that pass never goes over; else every further sequence is counted at
@@ -13,6 +14,9 @@ each), so two measured forward/backward passes predict the rest:
    pages the pass did not read (an untied embedding's rows: the pass reads token 0's, training all of them);
 2. peak(m) = peak(1) + (m - 1) * (peak(2) - peak(1)); pick the largest m that divides the effective
    batch and whose prediction fits the budget;
+   every peak also counts what a checkpoint save adds (measured once, step 0 below): the loop saves after
+   steps, on top of the memory the passes left in ORT's arena, and that was a run's peak (GPT-2 int4 at 1x8:
+   361 MiB in the pass, 376 at the final save; Qwen2.5 int4: 868 against 909);
 3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget;
 4. if the chosen m is below the largest measured, train in a new session (the loop): ORT's arena keeps what
    its largest pass needed.
@@ -133,6 +137,23 @@ def measure_pass(session, micro: int, seq_len: int, anonymous: bool = False, map
     return Pass(peak, max(0.0, anon_peak - anon_before))
 
 
+def measure_save(session, anonymous: bool = False) -> float:
+    """MiB a checkpoint save of `session` adds at its peak (ORT serializes the LoRA weights and the optimizer's
+    moments): a save to a scratch file beside the session's work files, deleted after. `anonymous`: anonymous
+    memory only."""
+    import tempfile
+
+    def now() -> float:
+        return (status_mb("RssAnon") or 0.0) if anonymous else rss_mb()
+
+    with tempfile.TemporaryDirectory(prefix=".memory-fit-", dir=getattr(session, "work_dir", None)) as scratch:
+        before = now()
+        reset_peak_rss()
+        session.save(Path(scratch) / "probe.ckpt")
+        peak = peak_rss_mb() - ((status_mb("RssFile") or 0.0) if anonymous else 0.0)
+    return max(0.0, peak - before)
+
+
 @dataclass
 class MemoryFit:
     budget_mb: float
@@ -145,6 +166,7 @@ class MemoryFit:
     predicted_mb: dict = field(default_factory=dict)    # candidate micro-batch -> linear prediction from 1 and 2
     counts: str = "RSS"                                 # or "anonymous RSS" (--memory low)
     start_mb: float = 0.0                               # the process's peak before the fit: the sessions' start
+    save_mb: float = 0.0                                # what a checkpoint save adds; in every measured peak
     bound_2_mb: float = 0.0                             # micro-batch 2 at most (1's peak + 1's growth): run if in budget
 
     @property
@@ -158,6 +180,8 @@ class MemoryFit:
         if 2 not in self.measured_mb and self.effective_batch % 2 == 0:
             meas += f" (2 not run: it could take up to {self.bound_2_mb:,.0f})"
         meas += f"; +{self.per_sequence_mb:,.0f} MiB per sequence"
+        if self.save_mb:
+            meas += f"; a checkpoint save's {self.save_mb:,.0f} MiB counted in each"
         return (f"memory budget {self.budget_mb:,.0f} MiB of {self.counts} ({self.budget_source}): measured peak MiB at micro-batch "
                 f"{meas} -> micro-batch {self.micro_batch} x accum "
                 f"{self.accum} (predicted {self.predicted_mb[self.micro_batch]:,.0f} MiB, measured "
@@ -217,8 +241,13 @@ def fit_session(session, seq_len: int, effective_batch: int, budget, log=print, 
         log("warning: this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs); each measurement is the "
             "peak of the whole process so far, so the split chosen may be smaller than what fits")
     shards = [session.bundle.file(f.path) for f in session.bundle.manifest.files_with_role("shard")]
-    fit = choose_micro_batch(lambda m: measure_pass(session, m, seq_len, anonymous, shards), effective_batch,
-                             budget_mb, source, "anonymous RSS" if anonymous else "RSS")
-    fit.start_mb = start_mb
+    save_mb = measure_save(session, anonymous)
+
+    def measure(m: int) -> Pass:
+        p = measure_pass(session, m, seq_len, anonymous, shards)
+        return Pass(p.peak_mb + save_mb, p.growth_mb)
+
+    fit = choose_micro_batch(measure, effective_batch, budget_mb, source, "anonymous RSS" if anonymous else "RSS")
+    fit.start_mb, fit.save_mb = start_mb, save_mb
     log(fit.summary())
     return fit

@@ -87,6 +87,7 @@ class TrainSession:
         work_dir: str | Path | None = None,
     ):
         self.bundle = bundle
+        self.work_dir = Path(work_dir) if work_dir else None     # the run's directory (scratch files go there)
         self.names = bundle.manifest.trainable_names
         with blame_damage(bundle):
             self.state = CheckpointState.load_checkpoint(str(checkpoint or bundle.file(mf.CHECKPOINT)))

@@ -273,3 +273,47 @@ print(before, total, anon)
     before, total, anon = map(float, out)
     assert anon == pytest.approx(before + 96, abs=40), (before, total, anon)
     assert total - anon > 100, (total, anon)              # the mapped file is counted only in `total`
+
+
+def test_a_checkpoint_save_is_counted_in_every_measured_peak():
+    """The loop saves checkpoints after steps, on top of what the passes left in ORT's arena: a run peaked there
+    (GPT-2 int4: 361 MiB in the pass, 376 at the final save). A fake session whose save takes 96 MiB for a moment:
+    the fit's measured peak is the pass's plus those 96. In a fresh interpreter, so that no freed heap of earlier
+    tests hides them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import types, numpy as np
+from android_runner.memory_fit import fit_session, measure_pass
+
+class FakeSession:
+    bundle = types.SimpleNamespace(manifest=types.SimpleNamespace(files_with_role=lambda role: []))
+    work_dir = None
+    saved = []
+
+    def forward_backward(self, batch, scale):
+        work = np.ones(32 * 2**20 // 8)                   # activations
+        del work
+
+    def drop_grads(self):
+        pass
+
+    def save(self, path):                                 # ORT serializing the weights and moments
+        buf = np.ones(96 * 2**20 // 8)
+        path.write_bytes(b"x")
+        self.saved.append(path)
+        del buf
+
+session = FakeSession()
+alone = measure_pass(session, 1, 4).peak_mb
+fit = fit_session(session, 4, 1, 100000, log=lambda *_: None)
+print(alone, fit.measured_mb[1], fit.save_mb, int(session.saved[0].exists()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    alone, measured, save, left = map(float, out)
+    assert save == pytest.approx(96, abs=30), out
+    assert measured >= alone + 66, out
+    assert not left, "the probe's scratch checkpoint was left behind"
