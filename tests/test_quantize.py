@@ -273,8 +273,8 @@ def assert_four_bit_weights_read_as_dequantized(g: onnx.GraphProto, weights) -> 
         if n.op_type == "MatMulNBits":
             assert len(n.input) == 3 or n.input[3] not in inits, n.name     # 8, or computed float zero points
             continue
-        zero_point = (by_name.get(n.name[:-1] + "f") or by_name.get(n.name[:-1] + "lo/f")   # fast_dequant's
-                      or n)                                                                # per-tensor DQ
+        zero_point = (by_name.get(n.name + "3") or by_name.get(n.name[:-1] + "lo/w3")    # fast_dequant's DQ
+                      or n)                                                              # per row of a half
         assert len(zero_point.input) == 3, n.name
         for j in read_by[n.output[0]]:
             r = g.node[j]
