@@ -14,7 +14,7 @@ each), so two measured forward/backward passes predict the rest:
    pages the pass did not read (an untied embedding's rows: the pass reads token 0's, training all of them);
 2. peak(m) = peak(1) + (m - 1) * (peak(2) - peak(1)); pick the largest m that divides the effective
    batch and whose prediction fits the budget;
-   every peak also counts what a checkpoint save adds (measured once, step 0 below): the loop saves after
+   every peak also counts what a checkpoint save adds (measured once, step 0): the loop saves after
    steps, on top of the memory the passes left in ORT's arena, and that was a run's peak (GPT-2 int4 at 1x8:
    361 MiB in the pass, 376 at the final save; Qwen2.5 int4: 868 against 909);
 3. if that m is above 2, run it once as well, and step down while the measurement exceeds the budget;
@@ -32,6 +32,7 @@ under a cgroup cap of 1,131 MiB (60% of its weights): 1 x 8 took 29.0 s per step
 """
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -128,30 +129,34 @@ def measure_pass(session, micro: int, seq_len: int, anonymous: bool = False, map
     an untied embedding's rows, of which the pass reads token 0's and training all (a tied one is read whole by the
     head's vocabulary views every pass). `anonymous` (--memory low): the peak RSS minus the file-backed pages
     instead."""
-    anon_before = status_mb("RssAnon") or 0.0
+    anon_before = _anon_mb()
     reset_peak_rss()
     session.forward_backward(worst_case_batch(micro, seq_len), 1.0 / (micro * seq_len))
     session.drop_grads()
-    anon_peak = peak_rss_mb() - (status_mb("RssFile") or 0.0)
+    anon_peak = _anon_peak_mb()
     peak = anon_peak if anonymous else peak_rss_mb() + unfaulted_mb(mapped)
     return Pass(peak, max(0.0, anon_peak - anon_before))
 
 
 def measure_save(session, anonymous: bool = False) -> float:
     """MiB a checkpoint save of `session` adds at its peak (ORT serializes the LoRA weights and the optimizer's
-    moments): a save to a scratch file beside the session's work files, deleted after. `anonymous`: anonymous
+    moments): a save to a scratch file in the session's work directory, deleted after. `anonymous`: anonymous
     memory only."""
-    import tempfile
-
-    def now() -> float:
-        return (status_mb("RssAnon") or 0.0) if anonymous else rss_mb()
-
-    with tempfile.TemporaryDirectory(prefix=".memory-fit-", dir=getattr(session, "work_dir", None)) as scratch:
-        before = now()
+    with tempfile.TemporaryDirectory(prefix=".memory-fit-", dir=session.work_dir) as scratch:
+        before = _anon_mb() if anonymous else rss_mb()
         reset_peak_rss()
         session.save(Path(scratch) / "probe.ckpt")
-        peak = peak_rss_mb() - ((status_mb("RssFile") or 0.0) if anonymous else 0.0)
+        peak = _anon_peak_mb() if anonymous else peak_rss_mb()
     return max(0.0, peak - before)
+
+
+def _anon_mb() -> float:
+    return status_mb("RssAnon") or 0.0
+
+
+def _anon_peak_mb() -> float:
+    """The peak RSS less the file-backed pages resident now (what --memory low counts)."""
+    return peak_rss_mb() - (status_mb("RssFile") or 0.0)
 
 
 @dataclass

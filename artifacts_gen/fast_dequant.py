@@ -144,7 +144,7 @@ def _half_nodes(g, have, n: onnx.NodeProto, codes: onnx.TensorProto, zp: int, pa
 
 
 def _scales_nodes(g, have, n: onnx.NodeProto, p: str) -> list[onnx.NodeProto]:
-    """p + "s": the gated block scales, flat [N * K / block], for _half_nodes' DequantizeLinear."""
+    """p + "s": the gated block scales, flat [N * K / block] (_half_nodes' DequantizeLinear, MatMulNBits' scales)."""
     return [helper.make_node("Reshape", [n.input[1], _const(g, have, "flat", [-1], np.int64)], [p + "s"],
                              name=p + "s")]
 
@@ -180,8 +180,8 @@ def _splittable(r: onnx.NodeProto, w: str) -> bool:
 def _split_nodes(g, have, n: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.TensorProto, zp: int, p: str
                  ) -> list[onnx.NodeProto]:
     """Reader r (A W, _splittable) of a uint4 weight as two matmuls over its even and odd input columns, the low
-    and high nibbles of the codes' bytes, each dequantized alone (_half_nodes): A W[:, 0::2] and A W[:, 1::2], interleaved into r's output. The high half's codes are gated on the low
-    half's product, so at most half the weight is float32 at a time: the whole weight dequantized at once (a first
+    and high nibbles of the codes' bytes, each dequantized alone (_half_nodes): A W[:, 0::2] and A W[:, 1::2],
+    interleaved into r's output. The high half's codes are gated on the low half's product, so at most half the weight is float32 at a time: the whole weight dequantized at once (a first
     version, the nibbles interleaved by a uint8 Concat before the DequantizeLinear) took ~50 MiB more anonymous
     memory than DequantizeLinear did (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a
     tenth of its time."""
@@ -316,9 +316,7 @@ def rewrite(model: onnx.ModelProto, codes: set[str], base_dir: str = ".") -> int
             w = n.output[0]
             if (j not in bwd and zp == 8 and read_by[w]
                     and all(_fusable(g.node[r], w) and r not in bwd for r in read_by[w])):
-                flat = p + "s_flat"
-                replace[j] = [helper.make_node("Reshape", [n.input[1], _const(g, have, "flat", [-1], np.int64)],
-                                               [flat], name=flat)]
+                replace[j], flat = _scales_nodes(g, have, n, p), p + "s"
                 adds = {r: _offset_add(g, n, g.node[r].output[0], produced_by, read_by) for r in read_by[w]}
                 fold = (all(adds.values()) and len({o8 for _, o8 in adds.values()}) == 1
                         and _nonzero_scales(name, inits, base_dir))
