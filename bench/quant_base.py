@@ -1,15 +1,15 @@
 """The quantized frozen base (issue 29) against float32, side by side: bundle size, peak RSS and tok/s.
 
 Per shape (random weights, the real config from ../shared/data/configs; LoRA r=8, alpha=16 on the attention
-projections, seq-len 128, effective batch 8 at the runner's split, the LM workload: WikiText-2 train in 128-token
-blocks) the same checkpoint is built three times, `pocketlora gen --quant none|int8|int4`, and each bundle is
-trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer steps; ROUNDS rounds of
-[none, int8, int4] alternate so drift hits all alike. tok/s is the median over each run's steps after its first
+projections, seq-len 128, effective batch 8 at the runner's split or at `--split MxA` for all, the LM workload:
+WikiText-2 train in 128-token blocks) the same checkpoint is built three times, `pocketlora gen --quant
+none|int8|int4`, and each bundle is trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer
+steps; ROUNDS rounds of [none, int8, int4] alternate so drift hits all alike. tok/s is the median over each run's steps after its first
 (the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the process's VmHWM.
 Bundle weights: the shard files (weights-*.bin). Random weights say nothing about quality (see docs/STATUS.md).
 
-    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--no-budget] [--no-lowmem]
-                               [--quick] [--no-doc]
+    python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--split 2x4]
+                               [--no-budget] [--no-lowmem] [--quick] [--no-doc]
 
 Then per shape the int4 bundle trains once more with `--memory-budget` set to its peak-RSS goal: the runner measures
 micro-batches of 1 and 2 sequences and picks the largest split of the effective batch 8 predicted to fit; reported:
@@ -88,6 +88,17 @@ def bundles(name: str, sub: Path, quick: bool) -> dict[str, str] | dict:
     return out
 
 
+def _split(text: str) -> tuple[int, int]:
+    """'2x4' -> (2, 4): a split of the effective batch 8."""
+    try:
+        micro, accum = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give micro-batch x accumulation, e.g. 2x4") from None
+    if micro < 1 or accum < 1 or micro * accum != 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: micro-batch x accumulation must make the effective batch 8")
+    return micro, accum
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -95,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of none, int8, int4 (default 2)")
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
     ap.add_argument("--no-budget", action="store_true", help="skip the int4 runs under --memory-budget at the goal")
+    ap.add_argument("--split", type=_split, default=None, metavar="MxA",
+                    help="train every shape at this split of the effective batch 8 (default: each one's runner's split)")
     ap.add_argument("--no-lowmem", action="store_true", help=f"skip {LOWMEM[0]} {LOWMEM[1]} under the capped "
                     "--memory low run")
     args = runs.parse(ap, argv, WHAT, render_report)
@@ -106,14 +119,14 @@ def main(argv=None) -> int:
     sub.mkdir(parents=True, exist_ok=True)
     data = prepare_data(sub)["lm"]
     payload = {**runs.start(WHAT, "bench.quant_base", argv), "steps": args.steps, "rounds": args.rounds,
-               "target_ratio": TARGET_RATIO, "shapes": {}}
+               "target_ratio": TARGET_RATIO, "split_given": bool(args.split), "shapes": {}}
     for name in args.shapes.split(","):
         log(f"{name}: bundles")
         b = bundles(name, sub, args.quick)
         if "error" in b:
             payload["shapes"][name] = b
             continue
-        micro, accum = SPLIT.get(name, (1, 8))
+        micro, accum = args.split or SPLIT.get(name, (1, 8))
         entry = {"split": [micro, accum], "goals": GOALS.get(name), "modes": {
             m: {"weight_bytes": _weight_bytes(Path(b[m])), "runs": []} for m in MODES}}
         for r in range(args.rounds):
