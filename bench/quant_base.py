@@ -4,8 +4,9 @@ Per shape (random weights, the real config from ../shared/data/configs; LoRA r=8
 projections, seq-len 128, effective batch 8 at the runner's split or at `--split MxA` for all, the LM workload:
 WikiText-2 train in 128-token blocks) the same checkpoint is built three times, `pocketlora gen --quant
 none|int8|int4`, and each bundle is trained by `pocketlora train` in a process of its own for 1 + STEPS optimizer
-steps; ROUNDS rounds of [none, int8, int4] alternate so drift hits all alike. tok/s is the median over each run's steps after its first
-(the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the process's VmHWM.
+steps; ROUNDS rounds of [none, int8, int4] alternate so drift hits all alike. tok/s is the median over each run's
+steps after its first (the runner's own step timing), the ratio is of the medians over all rounds; peak RSS is the
+process's VmHWM.
 Bundle weights: the shard files (weights-*.bin). Random weights say nothing about quality (see docs/STATUS.md).
 
     python -m bench.quant_base [--shapes gpt2-124m,gemma3-270m] [--steps 3] [--rounds 2] [--split 2x4]
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny configs, 1 step, 1 round: a smoke test; docs untouched")
     ap.add_argument("--no-budget", action="store_true", help="skip the int4 runs under --memory-budget at the goal")
     ap.add_argument("--split", type=_split, default=None, metavar="MxA",
-                    help="train every shape at this split of the effective batch 8 (default: each one's runner's split)")
+                    help="train every shape at this split of the effective batch 8 (default: each one's runner's "
+                    "split)")
     ap.add_argument("--no-lowmem", action="store_true", help=f"skip {LOWMEM[0]} {LOWMEM[1]} under the capped "
                     "--memory low run")
     args = runs.parse(ap, argv, WHAT, render_report)

@@ -30,11 +30,12 @@ def _same_split(r: dict, target: float) -> str:
 
 def render_report(p: dict, run: str) -> str:
     lines = runs.header(TITLE, run, "bench/quant_base.py", p["machine"], p["command"], {"raw results": f"{run}.json"})
+    where = "the split given" if p.get("split_given") else "the runner's split"      # --split MxA: every shape at it
     lines += [
         "Each shape's random-weight checkpoint built three times (`pocketlora gen --quant none|int8|int4`), each "
         f"bundle trained by `pocketlora train` (2 threads, `--battery none`) for 1 + {p['steps']} steps, "
         f"{p['rounds']} rounds of none, int8, int4 alternating. LoRA r=8 on attn, seq-len 128, effective batch 8 at "
-        f"{'the split given' if p.get('split_given') else 'the runner' + chr(39) + 's split'}, WikiText-2 in 128-token blocks. tok/s: median over the steps after each run's first; "
+        f"{where}, WikiText-2 in 128-token blocks. tok/s: median over the steps after each run's first; "
         "ratio: of the medians; peak RSS: the process's VmHWM, the largest over the rounds. Weights: the bundle's "
         "shard files. int8: linear weights per column; int4: per block of 32 rows; both: embedding / LM head int8 "
         "per row.",
