@@ -181,10 +181,10 @@ def _split_nodes(g, have, n: onnx.NodeProto, r: onnx.NodeProto, codes: onnx.Tens
                  ) -> list[onnx.NodeProto]:
     """Reader r (A W, _splittable) of a uint4 weight as two matmuls over its even and odd input columns, the low
     and high nibbles of the codes' bytes, each dequantized alone (_half_nodes): A W[:, 0::2] and A W[:, 1::2],
-    interleaved into r's output. The high half's codes are gated on the low half's product, so at most half the weight is float32 at a time: the whole weight dequantized at once (a first
-    version, the nibbles interleaved by a uint8 Concat before the DequantizeLinear) took ~50 MiB more anonymous
-    memory than DequantizeLinear did (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a
-    tenth of its time."""
+    interleaved into r's output. The high half's codes are gated on the low half's product, so at most half the
+    weight is float32 at a time: the whole weight dequantized at once (a first version, the nibbles interleaved by a
+    uint8 Concat before the DequantizeLinear) took ~50 MiB more anonymous memory than DequantizeLinear did
+    (Qwen2.5-0.5B int4, --memory low, micro-batch 1), and its interleave was a tenth of its time."""
     rows, cols = (int(d) for d in codes.dims)
     make = helper.make_node
     last = _const(g, have, "axis_last", [-1], np.int64)
