@@ -56,3 +56,16 @@ def _rendered(raw: Path) -> str:
 def test_a_run_re_renders_to_its_report(raw):
     """Runs the current renderer wrote (converted runs keep the tables of the renderer of their day)."""
     assert _rendered(raw).rstrip("\n") + "\n" == raw.with_suffix(".md").read_text()      # as runs.write writes it
+
+
+@pytest.mark.parametrize("split", ["3x3", "2x2", "0x8", "2x4x1", "twoxfour"])
+def test_quant_base_refuses_a_split_that_is_not_of_the_effective_batch_8(split, capsys, tmp_path):
+    """`bench.quant_base --split MxA` compares against the goals at effective batch 8: any other product, or text
+    that is not MxA, stops at the command line with one line naming it, before a bundle is built."""
+    from bench import quant_base
+
+    with pytest.raises(SystemExit) as exc:
+        quant_base.main(["--split", split, "--quick", "--no-doc", "--workdir", str(tmp_path), "--shapes", "no-such"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument --split: {split!r}" in err and "Traceback" not in err
